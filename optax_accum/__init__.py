@@ -1,0 +1,17 @@
+"""optax_accum: exact gradient accumulation for JAX and optax."""
+
+from optax_accum._src.accumulate import accumulate as accumulate
+from optax_accum._src.accumulate import AccumulateState as AccumulateState
+from optax_accum._src.state_lookup import find_accumulate_state as find_accumulate_state
+from optax_accum._src.state_lookup import has_updated as has_updated
+from optax_accum._src.value_and_grad import value_and_grad as value_and_grad
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AccumulateState",
+    "accumulate",
+    "find_accumulate_state",
+    "has_updated",
+    "value_and_grad",
+)

@@ -1,0 +1,72 @@
+"""Finding the accumulation state inside a larger optimizer state."""
+
+from typing import Any
+
+import jax
+
+from optax_accum._src import accumulate as accumulate_lib
+
+
+def _is_state(node: Any) -> bool:
+  return isinstance(node, accumulate_lib.AccumulateState)
+
+
+def find_accumulate_state(tree: Any) -> accumulate_lib.AccumulateState:
+  """Returns the first :class:`AccumulateState` inside an optimizer state.
+
+  The state of :func:`optax_accum.accumulate` is often nested: inside an
+  ``optax.chain``, an ``optax.inject_hyperparams`` or a training framework's
+  optimizer wrapper. This finds it in any pytree.
+
+  Args:
+    tree: an optimizer state, or any pytree containing one.
+
+  Returns:
+    The first :class:`AccumulateState` found in depth-first order.
+
+  Raises:
+    ValueError: if ``tree`` contains none.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_accum as oa
+    >>> tx = optax.chain(optax.scale(0.5), oa.accumulate(optax.sgd(0.1), 4))
+    >>> state = tx.init({'w': jnp.zeros(3)})
+    >>> oa.find_accumulate_state(state).micro_step
+    Array(0, dtype=int32)
+  """
+  if _is_state(tree):
+    return tree
+  for node in jax.tree.leaves(tree, is_leaf=_is_state):
+    if _is_state(node):
+      return node
+  raise ValueError(
+      "tree must contain an AccumulateState (the state of"
+      f" optax_accum.accumulate), got a tree of type {type(tree).__name__}"
+      " with none."
+  )
+
+
+def has_updated(state: Any) -> jax.Array:
+  """Whether the ``update`` call that produced ``state`` emitted an update.
+
+  Args:
+    state: an :class:`AccumulateState`, or an optimizer state containing one.
+
+  Returns:
+    A boolean scalar: true iff that call completed a cycle with tokens and
+    ran the inner optimizer.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_accum as oa
+    >>> tx = oa.accumulate(optax.sgd(0.1), every_k=2)
+    >>> params = {'w': jnp.zeros(3)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({'w': jnp.ones(3)}, state, params)
+    >>> oa.has_updated(state)
+    Array(False, dtype=bool)
+  """
+  return find_accumulate_state(state).emitted
