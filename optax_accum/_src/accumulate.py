@@ -152,13 +152,20 @@ def accumulate(
         finite &= jnp.all(jnp.isfinite(g))
     else:
       finite = jnp.bool_(True)
-    weight = tokens if loss_reduction == "mean" else jnp.float32(1)
+    if loss_reduction == "mean":
+      weight = tokens
+      # A mean over zero tokens is often 0/0: its gradient must add nothing.
+      keep = finite & (tokens != 0)
+    else:
+      weight = jnp.float32(1)
+      keep = finite
+    guarded = skip_nonfinite or loss_reduction == "mean"
 
     def add(grad_sum):
       def add_leaf(acc, g):
         term = weight.astype(acc.dtype) * g.astype(acc.dtype)
-        if skip_nonfinite:
-          term = jnp.where(finite, term, jnp.zeros_like(term))
+        if guarded:
+          term = jnp.where(keep, term, jnp.zeros_like(term))
         return acc + term.reshape(acc.shape)
 
       return jax.tree.map(add_leaf, grad_sum, updates)

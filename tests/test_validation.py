@@ -1,0 +1,136 @@
+"""Bad input is rejected early, with a message naming argument and value."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_accum as oa
+
+
+def _loss(params, batch):
+  return jnp.mean(batch["x"] * params)
+
+
+@pytest.mark.parametrize(
+    "every_k, error",
+    [(0, ValueError), (-3, ValueError), (2.0, TypeError), ("4", TypeError),
+     (True, TypeError), (None, TypeError), ([2], TypeError)],
+)
+def test_every_k_rejected_at_construction(every_k, error):
+  with pytest.raises(error, match=rf"every_k.*{re.escape(repr(every_k))}"):
+    oa.accumulate(optax.sgd(0.1), every_k)
+
+
+def test_numpy_int_every_k_is_accepted():
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  oa.accumulate(optax.sgd(0.1), np.int64(3))
+
+
+@pytest.mark.parametrize("loss_reduction", ["avg", "MEAN", None, 1])
+def test_loss_reduction_rejected(loss_reduction):
+  pattern = rf"loss_reduction.*mean.*got {re.escape(repr(loss_reduction))}"
+  with pytest.raises(ValueError, match=pattern):
+    oa.accumulate(optax.sgd(0.1), 2, loss_reduction=loss_reduction)
+  with pytest.raises(ValueError, match=pattern):
+    oa.value_and_grad(_loss, num_microbatches=2, loss_reduction=loss_reduction)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, "bool", "not-a-dtype"])
+def test_accumulator_dtype_rejected(dtype):
+  with pytest.raises((TypeError, ValueError), match="accumulator_dtype"):
+    oa.accumulate(optax.sgd(0.1), 2, accumulator_dtype=dtype)
+  with pytest.raises((TypeError, ValueError), match="accumulator_dtype"):
+    oa.value_and_grad(_loss, num_microbatches=2, accumulator_dtype=dtype)
+
+
+@pytest.mark.parametrize("axis_name", [0, ("data", 1), ()])
+def test_axis_name_rejected(axis_name):
+  with pytest.raises(TypeError, match=rf"axis_name.*{re.escape(repr(axis_name))}"):
+    oa.accumulate(optax.sgd(0.1), 2, axis_name=axis_name)
+  with pytest.raises(TypeError, match="axis_name"):
+    oa.value_and_grad(_loss, num_microbatches=2, axis_name=axis_name)
+
+
+def test_skip_nonfinite_must_be_bool():
+  with pytest.raises(TypeError, match="skip_nonfinite.*'yes'"):
+    oa.accumulate(optax.sgd(0.1), 2, skip_nonfinite="yes")
+
+
+def test_inner_must_be_a_gradient_transformation():
+  with pytest.raises(TypeError, match="inner.*function"):
+    oa.accumulate(lambda g: g, 2)
+
+
+@pytest.mark.parametrize(
+    "num_microbatches, error",
+    [(0, ValueError), (-2, ValueError), (2.0, TypeError), (True, TypeError),
+     (None, TypeError)],
+)
+def test_num_microbatches_rejected(num_microbatches, error):
+  pattern = rf"num_microbatches.*{re.escape(repr(num_microbatches))}"
+  with pytest.raises(error, match=pattern):
+    oa.value_and_grad(_loss, num_microbatches=num_microbatches)
+
+
+def test_loss_fn_and_num_tokens_fn_must_be_callable():
+  with pytest.raises(TypeError, match="loss_fn"):
+    oa.value_and_grad(3, num_microbatches=2)
+  with pytest.raises(TypeError, match="num_tokens_fn"):
+    oa.value_and_grad(_loss, num_microbatches=2, num_tokens_fn=3)
+
+
+def test_batch_must_divide_into_micro_batches():
+  fn = oa.value_and_grad(_loss, num_microbatches=4)
+  with pytest.raises(ValueError, match=r"batch size 6.*num_microbatches=4"):
+    fn(jnp.float32(1.0), {"x": jnp.ones(6)})
+
+
+def test_batch_leaves_must_share_a_leading_size():
+  def loss(params, batch):
+    return jnp.mean(batch["x"] * params) + jnp.mean(batch["y"])
+
+  fn = oa.value_and_grad(loss, num_microbatches=2)
+  with pytest.raises(ValueError, match=r"leading batch size.*'x'.*8.*'y'.*6"):
+    fn(jnp.float32(1.0), {"x": jnp.ones(8), "y": jnp.ones(6)})
+
+
+def test_scalar_batch_leaf_rejected():
+  fn = oa.value_and_grad(lambda p, b: p * b, num_microbatches=2)
+  with pytest.raises(ValueError, match="scalar"):
+    fn(jnp.float32(1.0), jnp.float32(2.0))
+
+
+def test_loss_must_be_scalar_and_aux_a_pair():
+  fn = oa.value_and_grad(lambda p, b: b * p, num_microbatches=2)
+  with pytest.raises((ValueError, TypeError), match="scalar"):
+    fn(jnp.float32(1.0), jnp.ones(4))
+  fn = oa.value_and_grad(_loss, num_microbatches=2, has_aux=True)
+  with pytest.raises(ValueError, match=r"\(loss, aux\)"):
+    fn(jnp.float32(1.0), {"x": jnp.ones(4)})
+
+
+def test_grads_with_another_structure_than_params_rejected():
+  tx = oa.accumulate(optax.sgd(0.1), 2)
+  state = tx.init({"w": jnp.zeros(3), "b": jnp.zeros(2)})
+  with pytest.raises(ValueError, match=r"updates.*structure"):
+    tx.update({"w": jnp.zeros(3)}, state)
+  with pytest.raises(ValueError, match=r"updates\['b'\].*\(4,\).*\(2,\)"):
+    tx.update({"w": jnp.zeros(3), "b": jnp.zeros(4)}, state)
+
+
+def test_num_tokens_must_be_a_scalar():
+  tx = oa.accumulate(optax.sgd(0.1), 2)
+  params = {"w": jnp.zeros(3)}
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"num_tokens.*\(3,\)"):
+    jax.jit(tx.update)(params, state, params, num_tokens=jnp.ones(3))
+
+
+def test_every_k_callable_must_return_an_integer_scalar():
+  tx = oa.accumulate(optax.sgd(0.1), lambda count: 2.5)
+  params = {"w": jnp.zeros(3)}
+  with pytest.raises(TypeError, match=r"every_k\(count\).*float"):
+    tx.update(params, tx.init(params), params)
