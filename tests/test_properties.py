@@ -1,0 +1,292 @@
+"""Property tests: accumulated gradients equal the full batch's token-weighted one.
+
+Hypothesis draws the batch size, the number of micro-batches, every row's
+number of unmasked tokens (rows with none included), the loss reduction and the
+data. Both entry points, ``oa.value_and_grad`` (the scan loop) and
+``oa.accumulate`` (one micro-batch gradient per call), must reproduce the
+gradient of the full batch's per-token mean loss, computed directly with
+``jax.grad``; the usual shortcuts (mean of micro-batch means, dividing by the
+number of micro-batches, not dividing) must not.
+
+Shapes come from a small set and every jitted function is built once per
+static configuration, so that the cost is a handful of compilations.
+"""
+
+import functools
+
+import chex
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_accum as oa
+
+SEQ, DIM, HIDDEN = 5, 3, 4
+BATCH_SIZES = (4, 8)
+NUM_MICROBATCHES = (1, 2, 4, 8)
+RTOL, ATOL = 1e-5, 1e-6
+
+SETTINGS = hypothesis.settings(
+    max_examples=25,
+    deadline=None,
+    database=None,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow],
+)
+
+
+# --------------------------------------------------------------------------
+# A 2-layer tanh model on per-token features, and its losses.
+
+
+def _params():
+  rng = np.random.default_rng(1234)
+  return {
+      "w1": jnp.asarray(rng.normal(size=(DIM, HIDDEN)), jnp.float32),
+      "b1": jnp.asarray(rng.normal(size=(HIDDEN,)) * 0.1, jnp.float32),
+      "w2": jnp.asarray(rng.normal(size=(HIDDEN,)), jnp.float32),
+  }
+
+
+def _token_losses(params, batch):
+  hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+  return batch["mask"] * (hidden @ params["w2"] - batch["y"]) ** 2
+
+
+def _num_tokens(batch):
+  return batch["mask"].sum()
+
+
+def _raw_mean_loss(params, batch):
+  # 0/0 = NaN on a micro-batch without tokens: its weight is zero, and so must
+  # be its contribution, NaN gradient included.
+  return _token_losses(params, batch).sum() / _num_tokens(batch)
+
+
+def _safe_mean_loss(params, batch):
+  return _token_losses(params, batch).sum() / jnp.maximum(
+      _num_tokens(batch), 1.0
+  )
+
+
+def _sum_loss(params, batch):
+  return _token_losses(params, batch).sum()
+
+
+# "mean" is the strict 0/0 one; "safe_mean" is the reference and the loss for
+# unweighted averaging (where an empty micro-batch still weighs one).
+LOSSES = {"mean": _raw_mean_loss, "safe_mean": _safe_mean_loss, "sum": _sum_loss}
+
+
+def _reduction(loss_name):
+  return "sum" if loss_name == "sum" else "mean"
+
+
+# One micro-batch's loss and gradient, straight through jax.value_and_grad.
+# The reference is the safe mean's on the full batch.
+_direct_value_and_grad = {
+    name: jax.jit(jax.value_and_grad(fn)) for name, fn in LOSSES.items()
+}
+_full_value_and_grad = _direct_value_and_grad["safe_mean"]
+
+
+@functools.cache
+def _oa_value_and_grad(loss_name, k, weighted=True):
+  return jax.jit(
+      oa.value_and_grad(
+          LOSSES[loss_name],
+          num_microbatches=k,
+          num_tokens_fn=_num_tokens if weighted else None,
+          loss_reduction=_reduction(loss_name),
+      )
+  )
+
+
+@functools.cache
+def _accumulate(loss_name, k):
+  tx = oa.accumulate(optax.identity(), k, loss_reduction=_reduction(loss_name))
+  return tx, jax.jit(tx.update)
+
+
+# --------------------------------------------------------------------------
+# Data.
+
+
+@st.composite
+def _cases(draw):
+  """(batch size, k, per-row token counts with at least one token, seed)."""
+  batch_size = draw(st.sampled_from(BATCH_SIZES))
+  k = draw(st.sampled_from([k for k in NUM_MICROBATCHES if batch_size % k == 0]))
+  lengths = draw(
+      st.lists(st.integers(0, SEQ), min_size=batch_size, max_size=batch_size)
+  )
+  if not any(lengths):  # Some rows may be empty, but not the whole batch.
+    lengths[draw(st.integers(0, batch_size - 1))] = draw(st.integers(1, SEQ))
+  seed = draw(st.integers(0, 2**32 - 1))
+  return batch_size, k, tuple(lengths), seed
+
+
+def _batch(lengths, seed):
+  rng = np.random.default_rng(seed)
+  batch_size = len(lengths)
+  mask = np.arange(SEQ)[None, :] < np.asarray(lengths)[:, None]
+  return {
+      "x": jnp.asarray(rng.normal(size=(batch_size, SEQ, DIM)), jnp.float32),
+      "y": jnp.asarray(rng.normal(size=(batch_size, SEQ)), jnp.float32),
+      "mask": jnp.asarray(mask, jnp.float32),
+  }
+
+
+def _micro_batches(batch, k):
+  size = len(batch["mask"]) // k
+  return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch)
+          for i in range(k)]
+
+
+def _tokens_per_micro_batch(lengths, k):
+  size = len(lengths) // k
+  return [sum(lengths[i * size:(i + 1) * size]) for i in range(k)]
+
+
+def _close(a, b):
+  try:
+    chex.assert_trees_all_close(a, b, rtol=RTOL, atol=ATOL)
+  except AssertionError:
+    return False
+  return True
+
+
+def _weighted(grads, weights, divisor):
+  return jax.tree.map(
+      lambda *gs: sum(np.float64(w) * np.asarray(g, np.float64)
+                      for w, g in zip(weights, gs)) / divisor,
+      *grads,
+  )
+
+
+# Hand-picked cases that are always run: micro-batches with no tokens at all,
+# a batch whose only tokens sit in a single row, and two micro-batches of
+# 10 and 1 tokens.
+_EXAMPLES = (
+    (8, 4, (0, 0, 5, 3, 1, 0, 5, 2), 0),
+    (8, 8, (0, 0, 0, 0, 0, 0, 4, 0), 1),
+    (4, 2, (5, 5, 0, 1), 2),
+)
+
+
+# --------------------------------------------------------------------------
+# Properties.
+
+
+@SETTINGS
+@hypothesis.given(case=_cases(), loss_name=st.sampled_from(["mean", "sum"]))
+@hypothesis.example(case=_EXAMPLES[0], loss_name="mean")
+@hypothesis.example(case=_EXAMPLES[1], loss_name="sum")
+@hypothesis.example(case=_EXAMPLES[2], loss_name="mean")
+def test_value_and_grad_matches_full_batch(case, loss_name):
+  _, k, lengths, seed = case
+  params, batch = _params(), _batch(lengths, seed)
+  expected_loss, expected_grads = _full_value_and_grad(params, batch)
+  with jax.numpy_dtype_promotion("strict"):
+    loss, grads = _oa_value_and_grad(loss_name, k)(params, batch)
+  np.testing.assert_allclose(loss, expected_loss, rtol=RTOL, atol=ATOL)
+  chex.assert_trees_all_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
+
+
+@SETTINGS
+@hypothesis.given(case=_cases(), loss_name=st.sampled_from(["mean", "sum"]))
+@hypothesis.example(case=_EXAMPLES[0], loss_name="mean")
+@hypothesis.example(case=_EXAMPLES[1], loss_name="sum")
+@hypothesis.example(case=_EXAMPLES[2], loss_name="mean")
+def test_accumulate_matches_full_batch(case, loss_name):
+  _, k, lengths, seed = case
+  params, batch = _params(), _batch(lengths, seed)
+  _, expected = _full_value_and_grad(params, batch)
+  tx, update = _accumulate(loss_name, k)
+  state = tx.init(params)
+  micro_grads, tokens = [], _tokens_per_micro_batch(lengths, k)
+  with jax.numpy_dtype_promotion("strict"):
+    for i, micro_batch in enumerate(_micro_batches(batch, k)):
+      _, grads = _direct_value_and_grad[loss_name](params, micro_batch)
+      micro_grads.append(grads)
+      updates, state = update(
+          grads, state, params, num_tokens=jnp.float32(tokens[i])
+      )
+      last = i == k - 1
+      assert bool(oa.has_updated(state)) == last
+      assert int(state.micro_step) == (0 if last else i + 1)
+      if not last:
+        chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
+  assert int(state.count) == 1
+  assert float(state.token_count) == 0.0
+  chex.assert_trees_all_equal(
+      state.grad_sum, jax.tree.map(jnp.zeros_like, params)
+  )
+  chex.assert_trees_all_close(updates, expected, rtol=RTOL, atol=ATOL)
+
+  # The shortcuts a wrong implementation could take differ from the above
+  # whenever they compute a different quantity on this data. A micro-batch
+  # without tokens contributes a zero gradient to each of them.
+  micro_grads = [
+      jax.tree.map(jnp.zeros_like, g) if n == 0 else g
+      for g, n in zip(micro_grads, tokens)
+  ]
+  weights = [1.0] * k if loss_name == "sum" else [float(n) for n in tokens]
+  total = sum(tokens)
+  chex.assert_trees_all_close(
+      _weighted(micro_grads, weights, total), expected, rtol=RTOL, atol=ATOL
+  )
+  if total != 1:
+    assert not _close(_weighted(micro_grads, weights, 1.0), expected)
+  if total != k:
+    assert not _close(_weighted(micro_grads, weights, k), expected)
+  if loss_name != "sum" and len(set(tokens)) > 1:
+    mean_of_means = _weighted(micro_grads, [1.0] * k, k)
+    assert not _close(mean_of_means, expected)
+
+
+@hypothesis.settings(SETTINGS, max_examples=15)
+@hypothesis.given(case=_cases())
+@hypothesis.example(case=_EXAMPLES[0])
+def test_mean_of_means_differs_iff_token_counts_are_uneven(case):
+  """Unweighted averaging of micro-batch means is exact only for even counts.
+
+  Without ``num_tokens_fn`` every micro-batch weighs the same (SPEC 2): that is
+  the mean of micro-batch means, which matches the full batch's per-token mean
+  if and only if every micro-batch holds as many tokens as the others.
+  """
+  _, k, lengths, seed = case
+  params, batch = _params(), _batch(lengths, seed)
+  expected_loss, expected_grads = _full_value_and_grad(params, batch)
+  with jax.numpy_dtype_promotion("strict"):
+    loss, grads = _oa_value_and_grad("safe_mean", k, weighted=False)(
+        params, batch
+    )
+  micro = [_direct_value_and_grad["safe_mean"](params, mb)
+           for mb in _micro_batches(batch, k)]
+  mean_of_means = jax.tree.map(lambda *xs: sum(xs) / k, *micro)
+  chex.assert_trees_all_close((loss, grads), mean_of_means, rtol=RTOL, atol=ATOL)
+  tokens = _tokens_per_micro_batch(lengths, k)
+  if len(set(tokens)) > 1:
+    assert not _close(grads, expected_grads)
+    assert not _close(loss, expected_loss)
+  else:
+    chex.assert_trees_all_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(loss, expected_loss, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("loss_name", ["mean", "sum"])
+def test_a_fully_masked_micro_batch_adds_nothing(loss_name):
+  """Rows without tokens change nothing, even when a whole micro-batch has none."""
+  lengths = (3, 1, 0, 0, 5, 2, 0, 4)
+  params, batch = _params(), _batch(lengths, seed=7)
+  # The same batch with the empty micro-batch dropped.
+  kept = jax.tree.map(lambda x: jnp.concatenate([x[:2], x[4:]]), batch)
+  expected_loss, expected_grads = _full_value_and_grad(params, kept)
+  loss, grads = _oa_value_and_grad(loss_name, 4)(params, batch)
+  assert np.isfinite(float(loss))
+  np.testing.assert_allclose(loss, expected_loss, rtol=RTOL, atol=ATOL)
+  chex.assert_trees_all_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
