@@ -2,6 +2,10 @@
 
 from optax_accum._src.accumulate import accumulate as accumulate
 from optax_accum._src.accumulate import AccumulateState as AccumulateState
+from optax_accum._src.distributed import device_local as device_local
+from optax_accum._src.hlo import CollectiveCounts as CollectiveCounts
+from optax_accum._src.hlo import count_collectives as count_collectives
+from optax_accum._src.partition_specs import state_partition_specs as state_partition_specs
 from optax_accum._src.state_lookup import find_accumulate_state as find_accumulate_state
 from optax_accum._src.state_lookup import has_updated as has_updated
 from optax_accum._src.value_and_grad import value_and_grad as value_and_grad
@@ -10,8 +14,12 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AccumulateState",
+    "CollectiveCounts",
     "accumulate",
+    "count_collectives",
+    "device_local",
     "find_accumulate_state",
     "has_updated",
+    "state_partition_specs",
     "value_and_grad",
 )

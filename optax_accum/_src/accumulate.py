@@ -111,19 +111,24 @@ def accumulate(
   # (scalars included), so that no device's partial sum can be dropped.
   slot_shape = () if axis_name is None else (1,)
 
+  def partial_zeros(shape, dtype):
+    if axis_name is None:
+      return jnp.zeros(shape, dtype)
+    # One slot per device of the current mesh, or this device's one slot.
+    return distributed.partial_zeros(shape, dtype, axis_name)
+
   def init_fn(params):
     grad_sum = jax.tree.map(
-        lambda p: jnp.zeros(slot_shape + jnp.shape(p), accumulator_dtype),
-        params,
+        lambda p: partial_zeros(jnp.shape(p), accumulator_dtype), params
     )
     return AccumulateState(
         micro_step=jnp.zeros([], jnp.int32),
         count=jnp.zeros([], jnp.int32),
         grad_sum=grad_sum,
-        token_count=jnp.zeros(slot_shape, jnp.float32),
+        token_count=partial_zeros((), jnp.float32),
         inner_state=inner.init(params),
         emitted=jnp.zeros([], jnp.bool_),
-        nonfinite_count=jnp.zeros([], jnp.int32),
+        nonfinite_count=partial_zeros((), jnp.int32),
     )
 
   def cycle_length(count):
@@ -189,18 +194,18 @@ def accumulate(
 
     inner_updates_shape = jax.eval_shape(
         lambda s: inner.update(
-            updates, s, params, **extra_args
+            distributed.like_summed(updates, axis_name), s, params,
+            **extra_args
         )[0],
         state.inner_state,
     )
 
     def no_updates():
-      return jax.tree.map(
-          lambda u: jnp.zeros(u.shape, u.dtype), inner_updates_shape
-      )
+      return distributed.zeros_like_partials(inner_updates_shape)
 
     def emit_branch(grad_sum, token_count, inner_state):
-      mean, has_tokens = mean_of(add(grad_sum), token_count)
+      summed = add(grad_sum)
+      mean, has_tokens = mean_of(summed, token_count)
 
       def run_inner(inner_state):
         new_updates, new_state = inner.update(
@@ -214,7 +219,7 @@ def accumulate(
       new_updates, inner_state = lax.cond(
           has_tokens, run_inner, skip_inner, inner_state
       )
-      zeros = distributed.zeros_like_partials(grad_sum)
+      zeros = distributed.zeros_like_partials(summed)  # as device-local.
       return new_updates, zeros, inner_state, has_tokens
 
     def skip_branch(grad_sum, token_count, inner_state):

@@ -1,5 +1,6 @@
 """Finding the accumulation state inside a larger optimizer state."""
 
+import sys
 from typing import Any
 
 import jax
@@ -11,12 +12,37 @@ def _is_state(node: Any) -> bool:
   return isinstance(node, accumulate_lib.AccumulateState)
 
 
+def _variable_type() -> type | None:
+  """Flax NNX's ``Variable`` class if flax is loaded, without importing it."""
+  variablelib = sys.modules.get("flax.nnx.variablelib")
+  return getattr(variablelib, "Variable", None)
+
+
+def _unwrap_variables(state: accumulate_lib.AccumulateState) -> Any:
+  """Replaces NNX ``Variable`` leaves by the arrays they hold.
+
+  ``nnx.Optimizer`` keeps its ``opt_state`` as a pytree whose array leaves are
+  wrapped in ``OptState`` variables; users of this module expect arrays.
+  """
+  variable_type = _variable_type()
+  if variable_type is None:
+    return state
+  is_variable = lambda x: isinstance(x, variable_type)
+  return jax.tree.map(
+      lambda x: x.get_value() if is_variable(x) else x,
+      state,
+      is_leaf=is_variable,
+  )
+
+
 def find_accumulate_state(tree: Any) -> accumulate_lib.AccumulateState:
   """Returns the first :class:`AccumulateState` inside an optimizer state.
 
   The state of :func:`optax_accum.accumulate` is often nested: inside an
   ``optax.chain``, an ``optax.inject_hyperparams`` or a training framework's
-  optimizer wrapper. This finds it in any pytree.
+  optimizer wrapper. This finds it in any pytree, including the ``opt_state``
+  of a Flax ``nnx.Optimizer`` (or the optimizer itself), whose leaves are NNX
+  variables: those are unwrapped, so the fields are plain arrays.
 
   Args:
     tree: an optimizer state, or any pytree containing one.
@@ -37,10 +63,10 @@ def find_accumulate_state(tree: Any) -> accumulate_lib.AccumulateState:
     Array(0, dtype=int32)
   """
   if _is_state(tree):
-    return tree
+    return _unwrap_variables(tree)
   for node in jax.tree.leaves(tree, is_leaf=_is_state):
     if _is_state(node):
-      return node
+      return _unwrap_variables(node)
   raise ValueError(
       "tree must contain an AccumulateState (the state of"
       f" optax_accum.accumulate), got a tree of type {type(tree).__name__}"

@@ -6,6 +6,7 @@ from typing import Any
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import distributed
 from optax_accum._src import validation
@@ -89,9 +90,23 @@ def value_and_grad(
   ``params`` and returns it updated next to the loss; micro-batch ``i`` sees the
   state that micro-batch ``i - 1`` produced and the final state is returned.
 
-  With ``axis_name``, inside :func:`jax.shard_map` or :func:`jax.pmap` the
-  partial sums stay on each device through the loop and are summed over the
-  axis once, after it: one reduction per call instead of one per micro-batch.
+  With ``axis_name`` (data parallelism) the partial sums stay on each device
+  through the loop and are summed over the axis once, after it: one reduction
+  per call instead of one per micro-batch. Inside :func:`jax.shard_map` or
+  :func:`jax.pmap` ``axis_name`` names the manual axis and ``batch`` is this
+  device's shard. Under :func:`jax.jit` with a mesh set by
+  :func:`jax.set_mesh` (Auto or Explicit axes) it names a mesh axis over which
+  the batch is sharded: the loop then runs in a :func:`jax.shard_map` over that
+  axis, each device splitting its own shard into micro-batches (micro-batch
+  ``i`` is every device's ``i``-th slice; the global batch size must be
+  divisible by ``num_microbatches`` times the axis size) and ``loss_fn`` sees
+  one device's slice, like under pmap. Parameters sharded over the axis
+  (FSDP, Explicit axes) are all-gathered once before the loop and their
+  gradients reduce-scattered back to the parameters' sharding after it. In
+  that mode an ``aux`` leaf comes back concatenated over devices along its
+  first axis after the micro-batch axis (a scalar becomes one entry per
+  device). With ``has_state`` and ``axis_name``, the floating leaves of the
+  model state are averaged over the axis after the loop.
 
   Args:
     loss_fn: ``loss_fn(params, microbatch, *args)`` returning a scalar loss, or
@@ -106,7 +121,8 @@ def value_and_grad(
       unmasked tokens. None weighs every micro-batch the same.
     loss_reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over the
       ``num_tokens_fn(microbatch)`` items of its micro-batch.
-    axis_name: data-parallel axis (or axes) to sum over once after the loop.
+    axis_name: data-parallel axis (or axes) to sum over once after the loop:
+      a manual axis (shard_map, pmap) or an axis of the current mesh (jit).
     accumulator_dtype: floating dtype of the running sums.
 
   Returns:
@@ -187,23 +203,9 @@ def value_and_grad(
         "num_tokens_fn(microbatch)", num_tokens_fn(microbatch)
     )
 
-  def fn(params, *rest):
-    if has_state:
-      if len(rest) < 2:
-        raise TypeError(
-            "With has_state=True call fn(params, model_state, batch, *args)."
-        )
-      model_state, batch, *args = rest
-    else:
-      if not rest:
-        raise TypeError("Call fn(params, batch, *args).")
-      model_state = None
-      batch, *args = rest
+  def loop(params, model_state, batch, args):
+    """The scan: this device's sums over its micro-batches."""
     microbatches = split_microbatches(batch, num_microbatches)
-    if axis_name is not None:
-      # Differentiate with respect to this device's copy of the parameters, so
-      # that autodiff does not sum gradients over the axis on every micro-step.
-      params = distributed.to_varying(params, axis_name)
 
     def step(carry, microbatch):
       grad_sum, loss_sum, token_sum, model_state = carry
@@ -226,20 +228,21 @@ def value_and_grad(
       return (grad_sum, loss_sum, token_sum + tokens, new_model_state), aux
 
     init = (
-        jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), accumulator_dtype),
-                     params),
+        jax.tree.map(
+            lambda p: jnp.zeros_like(p, dtype=accumulator_dtype), params
+        ),
         jnp.zeros([], accumulator_dtype),
         jnp.zeros([], jnp.float32),
     )
     if axis_name is not None:
-      init = distributed.to_varying(init, axis_name)
+      # The carry holds this device's partial sums: they differ by device.
+      init = distributed.device_local(init, axis_name)
     (grad_sum, loss_sum, token_sum, model_state), aux = lax.scan(
         step, init + (model_state,), microbatches
     )
-    if axis_name is not None:
-      grad_sum, loss_sum, token_sum = distributed.psum_once(
-          (grad_sum, loss_sum, token_sum), axis_name
-      )
+    return grad_sum, loss_sum, token_sum, model_state, aux
+
+  def mean_of(grad_sum, loss_sum, token_sum, params):
     safe_count = jnp.where(token_sum > 0, token_sum, 1.0)
     grads = jax.tree.map(
         lambda s, p: (s / safe_count.astype(s.dtype)).astype(jnp.result_type(p)),
@@ -247,6 +250,60 @@ def value_and_grad(
         params,
     )
     loss = (loss_sum / safe_count.astype(loss_sum.dtype)).astype(jnp.float32)
+    return loss, grads
+
+  def data_parallel(params, model_state, batch, args, param_specs=None):
+    """Inside shard_map or pmap: local sums, then one reduction over the axis.
+
+    Parameters that ``param_specs`` shard over the axis (FSDP) are gathered
+    once, before the loop; their gradients are reduce-scattered back into
+    shards after it.
+    """
+    if param_specs is None:
+      param_specs = jax.tree.map(lambda _: P(), params)
+    full_params = jax.tree.map(distributed.gather, params, param_specs)
+    # Differentiate with respect to this device's copy of the parameters, so
+    # that autodiff does not sum gradients over the axis on every micro-step.
+    local_params = distributed.device_local(full_params, axis_name)
+    if model_state is not None:
+      model_state = distributed.floats_device_local(model_state, axis_name)
+    grad_sum, loss_sum, token_sum, model_state, aux = loop(
+        local_params, model_state, batch, args
+    )
+    grad_sum, (loss_sum, token_sum) = distributed.sum_into_shards(
+        grad_sum, param_specs, (loss_sum, token_sum), axis_name
+    )
+    if model_state is not None:
+      model_state = distributed.mean_of_floats(model_state, axis_name)
+    loss, grads = mean_of(grad_sum, loss_sum, token_sum, params)
+    return loss, grads, model_state, aux
+
+  def fn(params, *rest):
+    if has_state:
+      if len(rest) < 2:
+        raise TypeError(
+            "With has_state=True call fn(params, model_state, batch, *args)."
+        )
+      model_state, batch, *args = rest
+    else:
+      if not rest:
+        raise TypeError("Call fn(params, batch, *args).")
+      model_state = None
+      batch, *args = rest
+    if axis_name is None:
+      grad_sum, loss_sum, token_sum, model_state, aux = loop(
+          params, model_state, batch, args
+      )
+      loss, grads = mean_of(grad_sum, loss_sum, token_sum, params)
+    elif distributed.is_bound(axis_name):
+      loss, grads, model_state, aux = data_parallel(
+          params, model_state, batch, args
+      )
+    else:
+      loss, grads, model_state, aux = distributed.over_mesh(
+          data_parallel, axis_name, num_microbatches, params, model_state,
+          batch, args,
+      )
     if has_state and has_aux:
       return (loss, (model_state, aux)), grads
     if has_state:

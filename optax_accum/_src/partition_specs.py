@@ -1,0 +1,126 @@
+"""Partition specs for an optimizer state that holds per-device sums."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._src import accumulate as accumulate_lib
+from optax_accum._src import distributed
+
+
+def state_partition_specs(
+    state: Any,
+    axis_name: distributed.AxisName,
+    param_specs: Any = None,
+) -> Any:
+  """``PartitionSpec``\\ s for an optimizer state holding per-device sums.
+
+  With ``axis_name``, the state of :func:`optax_accum.accumulate` keeps each
+  device's partial sum of gradients and tokens (``grad_sum``,
+  ``token_count``) along a leading slot axis, one slot per device. These
+  partial sums differ from device to device: they must be laid out as
+  ``P(axis_name)`` in :func:`jax.shard_map`'s ``in_specs`` and ``out_specs``
+  (``P()`` would keep one device's sum and silently drop the others'). This
+  returns a tree of specs shaped like ``state``: the partial sums get
+  ``P(axis_name, *param_spec)``; every subtree shaped like the parameters
+  (the inner optimizer's moments, say) gets ``param_specs``; the rest (counts,
+  flags) is replicated, ``P()``.
+
+  ``tx.init(params)`` called under ``jax.set_mesh(mesh)``, outside the
+  shard_map, makes the state with one slot per device of ``axis_name``,
+  already sharded as these specs say; called inside the shard_map it makes
+  this device's one slot.
+
+  Args:
+    state: an optimizer state containing an :class:`AccumulateState` (or
+      several), or its shape (``jax.eval_shape(tx.init, params)``).
+    axis_name: the data-parallel axis (or axes) given to ``accumulate``.
+    param_specs: the parameters' specs in the same shard_map: a single spec
+      for all of them or a tree of specs (a prefix of the parameters' tree).
+      None means replicated (``P()``).
+
+  Returns:
+    A tree of :class:`jax.sharding.PartitionSpec` with the structure of
+    ``state``.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import optax_accum as oa
+    >>> tx = oa.accumulate(optax.sgd(0.1), every_k=4, axis_name='data')
+    >>> specs = oa.state_partition_specs(
+    ...     jax.eval_shape(tx.init, {'w': jnp.zeros(3)}), 'data')
+    >>> specs.grad_sum, specs.token_count, specs.count
+    ({'w': P('data',)}, P('data',), P())
+  """
+  is_state = lambda x: isinstance(x, accumulate_lib.AccumulateState)
+  accumulate_states = [
+      node for node in jax.tree.leaves(state, is_leaf=is_state)
+      if is_state(node)
+  ]
+  if not accumulate_states:
+    raise ValueError(
+        "state must contain an AccumulateState (the state of"
+        " optax_accum.accumulate), got a tree of type"
+        f" {type(state).__name__} with none."
+    )
+  slot = axis_name
+
+  def spec_tree_for(grad_sum):
+    """Each parameter's spec, as a tree shaped like the parameters."""
+    if param_specs is None:
+      return jax.tree.map(lambda _: P(), grad_sum)
+    if isinstance(param_specs, P):
+      return jax.tree.map(lambda _: param_specs, grad_sum)
+    return jax.tree.map(
+        lambda spec, sub: jax.tree.map(lambda _: spec, sub),
+        param_specs,
+        grad_sum,
+        is_leaf=lambda x: isinstance(x, P) or x is None,
+    )
+
+  def like_params(node, grad_sum):
+    """Whether ``node`` is a tree shaped like the parameters."""
+    if jax.tree.structure(node) != jax.tree.structure(grad_sum):
+      return False
+    return all(
+        jnp.shape(leaf) == jnp.shape(s)[1:]
+        for leaf, s in zip(jax.tree.leaves(node), jax.tree.leaves(grad_sum))
+    )
+
+  def specs_of(node, grad_sum, param_tree):
+    """Specs for a subtree outside the partial sums."""
+    if like_params(node, grad_sum):
+      return param_tree
+    if is_state(node):
+      return specs_of_state(node)
+    children, treedef = jax.tree_util.tree_flatten(
+        node, is_leaf=lambda x: x is not node
+    )
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a leaf
+      return P()
+    return treedef.unflatten(
+        [specs_of(child, grad_sum, param_tree) for child in children]
+    )
+
+  def specs_of_state(node):
+    param_tree = spec_tree_for(node.grad_sum)
+    fields = {
+        name: specs_of(value, node.grad_sum, param_tree)
+        for name, value in node._asdict().items()
+    }
+    fields["grad_sum"] = jax.tree.map(
+        lambda spec: P(slot, *spec), param_tree,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    for name in ("token_count", "nonfinite_count"):
+      if jnp.ndim(getattr(node, name)) == 1:
+        fields[name] = P(slot)
+    return type(node)(**fields)
+
+  grad_sum = accumulate_states[0].grad_sum
+  return specs_of(state, grad_sum, spec_tree_for(grad_sum))
