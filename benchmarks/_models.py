@@ -1,0 +1,97 @@
+"""Models for the benchmarks: a compute-bound MLP and a small transformer.
+
+Plain JAX, float32, deterministic initialisation. Each ``make_*`` returns
+``(params, batch, loss_fn)`` with ``loss_fn(params, batch) -> scalar``, the
+mean loss over the batch's leading axis, so that the mean of equal-size
+micro-batch losses is the full-batch loss.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def make_mlp(batch_size, d_in, width, depth, d_out, seed=0):
+  """A GELU MLP regressed onto random targets with a mean squared error."""
+  keys = jax.random.split(jax.random.key(seed), depth + 3)
+  dims = [d_in] + [width] * (depth - 1) + [d_out]
+  params = []
+  for i, (m, n) in enumerate(zip(dims[:-1], dims[1:])):
+    w = jax.random.normal(keys[i], (m, n), jnp.float32) / math.sqrt(m)
+    params.append({"w": w, "b": jnp.zeros((n,), jnp.float32)})
+  batch = {
+      "x": jax.random.normal(keys[-2], (batch_size, d_in), jnp.float32),
+      "y": jax.random.normal(keys[-1], (batch_size, d_out), jnp.float32),
+  }
+
+  def loss_fn(params, batch):
+    h = batch["x"]
+    for i, layer in enumerate(params):
+      h = h @ layer["w"] + layer["b"]
+      if i < len(params) - 1:
+        h = jax.nn.gelu(h)
+    return jnp.mean(jnp.sum((h - batch["y"]) ** 2, axis=-1))
+
+  return params, batch, loss_fn
+
+
+def _layer_norm(x, scale):
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
+  return (x - mean) * jax.lax.rsqrt(var + 1e-6) * scale
+
+
+def make_transformer(batch_size, seq_len, d_model, num_heads, num_layers,
+                     vocab_size, seed=0):
+  """A pre-LayerNorm causal transformer (attention + MLP blocks), next-token CE."""
+  keys = iter(jax.random.split(jax.random.key(seed), 4 * num_layers + 4))
+
+  def dense(m, n):
+    return jax.random.normal(next(keys), (m, n), jnp.float32) / math.sqrt(m)
+
+  params = {
+      "embed": jax.random.normal(next(keys), (vocab_size, d_model)) * 0.02,
+      "pos": jax.random.normal(next(keys), (seq_len, d_model)) * 0.02,
+      "ln_f": jnp.ones((d_model,)),
+      "blocks": [
+          {
+              "ln1": jnp.ones((d_model,)),
+              "qkv": dense(d_model, 3 * d_model),
+              "out": dense(d_model, d_model),
+              "ln2": jnp.ones((d_model,)),
+              "mlp_in": dense(d_model, 4 * d_model),
+              "mlp_out": dense(4 * d_model, d_model),
+          }
+          for _ in range(num_layers)
+      ],
+  }
+  tokens = jax.random.randint(
+      next(keys), (batch_size, seq_len + 1), 0, vocab_size, jnp.int32
+  )
+  batch = {"tokens": tokens}
+  head_dim = d_model // num_heads
+  mask = jnp.tril(jnp.ones((seq_len, seq_len), jnp.bool_))
+
+  def loss_fn(params, batch):
+    inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+    b, t = inputs.shape
+    h = params["embed"][inputs] + params["pos"][:t]
+    for blk in params["blocks"]:
+      x = _layer_norm(h, blk["ln1"])
+      q, k, v = jnp.split(x @ blk["qkv"], 3, axis=-1)
+      q, k, v = (a.reshape(b, t, num_heads, head_dim) for a in (q, k, v))
+      logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
+      logits = jnp.where(mask[:t, :t], logits, -1e9)
+      att = jax.nn.softmax(logits, axis=-1)
+      y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d_model)
+      h = h + y @ blk["out"]
+      x = _layer_norm(h, blk["ln2"])
+      h = h + jax.nn.gelu(x @ blk["mlp_in"]) @ blk["mlp_out"]
+    h = _layer_norm(h, params["ln_f"])
+    logits = h @ params["embed"].T
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(nll)
+
+  return params, batch, loss_fn
