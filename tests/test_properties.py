@@ -222,10 +222,16 @@ def test_accumulate_matches_full_batch(case, loss_name):
         chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
   assert int(state.count) == 1
   assert float(state.token_count) == 0.0
-  chex.assert_trees_all_equal(
-      state.grad_sum, jax.tree.map(jnp.zeros_like, params)
-  )
   chex.assert_trees_all_close(updates, expected, rtol=RTOL, atol=ATOL)
+  # The reset of the sum is lazy: the next call starts from zero, whatever the
+  # finished cycle left in state.grad_sum.
+  ones = jax.tree.map(jnp.ones_like, params)
+  _, state = update(ones, state, params, num_tokens=jnp.float32(2))
+  weight = 1.0 if _reduction(loss_name) == "sum" else 2.0
+  chex.assert_trees_all_equal(
+      state.grad_sum, jax.tree.map(lambda p: jnp.full_like(p, weight), params)
+  )
+  assert float(state.token_count) == (2.0 if k > 1 else 0.0)  # k=1 emits.
 
   # The shortcuts a wrong implementation could take differ from the above
   # whenever they compute a different quantity on this data. A micro-batch

@@ -13,7 +13,13 @@ from optax_accum._src import validation
 
 
 class AccumulateState(NamedTuple):
-  """State of :func:`accumulate`: the running sums and the wrapped state."""
+  """State of :func:`accumulate`: the running sums and the wrapped state.
+
+  ``grad_sum`` is the current cycle's running sum. When ``micro_step == 0``
+  (a cycle has just been emitted) it still holds the finished cycle's sum,
+  which the next call discards instead of adding to: the reset is lazy so that
+  a non-emitting micro-step stays one in-place pass over the sum.
+  """
 
   micro_step: jax.Array  # shape=(), dtype=jnp.int32.
   count: jax.Array  # shape=(), dtype=jnp.int32.
@@ -51,6 +57,10 @@ def accumulate(
   :func:`jax.lax.cond`: ``inner`` runs once per optimizer update, so its step
   count, learning-rate schedule, weight decay and clipping see one step per
   update, applied to the accumulated gradient.
+
+  The emitting call resets the token count; the sum is reset lazily, by the
+  call that starts the next cycle (see :class:`AccumulateState`), which keeps
+  a non-emitting call to one fused in-place pass over the sum.
 
   The sum is kept in ``accumulator_dtype`` whatever the gradients' dtype; the
   mean handed to ``inner`` has the gradients' dtype. A cycle with no tokens
@@ -166,31 +176,25 @@ def accumulate(
       keep = finite
     guarded = skip_nonfinite or loss_reduction == "mean"
 
-    def add(grad_sum):
-      def add_leaf(acc, g):
-        term = weight.astype(acc.dtype) * g.astype(acc.dtype)
-        if guarded:
-          term = jnp.where(keep, term, jnp.zeros_like(term))
-        return acc + term.reshape(acc.shape)
+    # The reset is lazy: the call that starts a cycle adds to zeros instead of
+    # to the finished cycle's sum. Zeroing the sum inside the emitting branch
+    # would make it an output of the conditional, which XLA cannot write in
+    # place: it then copies every accumulator (and, on CPU, inner-state)
+    # buffer on every micro-step. This way a non-emitting call is one fused
+    # in-place pass over the sum, and the conditional only reads it.
+    cycle_start = state.micro_step == 0
 
-      return jax.tree.map(add_leaf, grad_sum, updates)
+    def add_leaf(acc, g):
+      acc = jnp.where(cycle_start, jnp.zeros([], acc.dtype), acc)
+      term = weight.astype(acc.dtype) * g.astype(acc.dtype)
+      if guarded:
+        term = jnp.where(keep, term, jnp.zeros([], term.dtype))
+      return acc + term.reshape(acc.shape)
 
+    grad_sum = jax.tree.map(add_leaf, state.grad_sum, updates)
     token_count = state.token_count + jnp.where(finite, tokens, 0.0)
     micro_step = optax.safe_increment(state.micro_step)
     emit = micro_step >= cycle_length(state.count)
-
-    def mean_of(grad_sum, token_count):
-      if axis_name is not None:
-        grad_sum, token_count = distributed.sum_partials(
-            (grad_sum, token_count), axis_name
-        )
-      safe_count = jnp.where(token_count > 0, token_count, 1.0)
-      mean = jax.tree.map(
-          lambda s, g: (s / safe_count.astype(s.dtype)).astype(g.dtype),
-          grad_sum,
-          updates,
-      )
-      return mean, token_count.reshape(()) > 0
 
     inner_updates_shape = jax.eval_shape(
         lambda s: inner.update(
@@ -203,37 +207,51 @@ def accumulate(
     def no_updates():
       return distributed.zeros_like_partials(inner_updates_shape)
 
-    def emit_branch(grad_sum, token_count, inner_state):
-      summed = add(grad_sum)
-      mean, has_tokens = mean_of(summed, token_count)
-
-      def run_inner(inner_state):
-        new_updates, new_state = inner.update(
-            mean, inner_state, params, **extra_args
-        )
-        return new_updates, optax.tree.cast_like(new_state, inner_state)
-
-      def skip_inner(inner_state):
-        return no_updates(), inner_state
-
-      new_updates, inner_state = lax.cond(
-          has_tokens, run_inner, skip_inner, inner_state
+    def run_inner(grad_sum, token_count, inner_state):
+      safe_count = jnp.where(token_count > 0, token_count, 1.0)
+      mean = jax.tree.map(
+          lambda s, g: (s / safe_count.astype(s.dtype)).astype(g.dtype),
+          grad_sum,
+          updates,
       )
-      zeros = distributed.zeros_like_partials(summed)  # as device-local.
-      return new_updates, zeros, inner_state, has_tokens
+      new_updates, new_state = inner.update(
+          mean, inner_state, params, **extra_args
+      )
+      return new_updates, optax.tree.cast_like(new_state, inner_state)
 
-    def skip_branch(grad_sum, token_count, inner_state):
-      del token_count
-      return no_updates(), add(grad_sum), inner_state, jnp.bool_(False)
+    def skip_inner(grad_sum, token_count, inner_state):
+      del grad_sum, token_count
+      return no_updates(), inner_state
 
-    new_updates, grad_sum, inner_state, updated = lax.cond(
-        emit,
-        emit_branch,
-        skip_branch,
-        state.grad_sum,
-        token_count,
-        state.inner_state,
-    )
+    if axis_name is None:
+      updated = emit & (token_count > 0)
+      new_updates, inner_state = lax.cond(
+          updated, run_inner, skip_inner, grad_sum, token_count,
+          state.inner_state,
+      )
+    else:
+      # The sums over devices happen only in the emitting branch: one
+      # reduction per optimizer update.
+      def emit_branch(grad_sum, token_count, inner_state):
+        grad_sum, token_count = distributed.sum_partials(
+            (grad_sum, token_count), axis_name
+        )
+        token_count = token_count.reshape(())
+        has_tokens = token_count > 0
+        new_updates, inner_state = lax.cond(
+            has_tokens, run_inner, skip_inner, grad_sum, token_count,
+            inner_state,
+        )
+        return new_updates, inner_state, has_tokens
+
+      def skip_branch(grad_sum, token_count, inner_state):
+        del grad_sum, token_count
+        return no_updates(), inner_state, jnp.bool_(False)
+
+      new_updates, inner_state, updated = lax.cond(
+          emit, emit_branch, skip_branch, grad_sum, token_count,
+          state.inner_state,
+      )
     new_state = AccumulateState(
         micro_step=jnp.where(emit, 0, micro_step),
         count=jnp.where(updated, optax.safe_increment(state.count), state.count),
