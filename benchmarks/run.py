@@ -355,11 +355,11 @@ def section_value_and_grad(args, cfg):
 
 
 def section_sweep(args, cfg):
-  """c/d: time (MLP of c) and temp memory (activation-heavy models) vs k."""
+  """d: time (an MLP) and temp memory (activation-heavy models) vs k."""
   del args
   out = {"ks": cfg["ks"], "time": {}, "temp": {}}
   # Time vs k on the compute-bound MLP.
-  params, batch, loss_fn = build_model(cfg["vg_models"]["mlp"])
+  params, batch, loss_fn = build_model(cfg["sweep_model"])
   bs = batch_size_of(batch)
   cands = {"full batch": jax.jit(jax.value_and_grad(loss_fn)).lower(
       params, batch).compile()}
@@ -369,7 +369,8 @@ def section_sweep(args, cfg):
   times = interleaved(
       {n: (lambda c=c: jax.block_until_ready(c(params, batch)))
        for n, c in cands.items()}, reps=cfg["sweep_reps"])
-  out["time"] = {"model": "mlp", "ks": cfg["sweep_time_ks"],
+  out["time"] = {"model": "mlp", "spec": cfg["sweep_model"],
+                 "ks": cfg["sweep_time_ks"],
                  "candidates": {n: summarize(t, times.cpu[n])
                                 for n, t in times.items()}}
   # Temp memory vs k: compile only.
@@ -399,13 +400,15 @@ def config(quick):
                   "muon": {"leaves": 10, "size": 256, "reps": 3}},
         "micro": {"leaves": 10, "size": 512, "reps": 15, "calls_per_rep": 4},
         "vg_models": {
-            "mlp": {"kind": "mlp", "batch_size": 256, "d_in": 256,
-                    "width": 512, "depth": 4, "d_out": 256},
+            "mlp": {"kind": "mlp", "batch_size": 2048, "d_in": 512,
+                    "width": 1024, "depth": 4, "d_out": 512},
             "transformer": {"kind": "transformer", "batch_size": 16,
                             "seq_len": 64, "d_model": 128, "num_heads": 4,
                             "num_layers": 2, "vocab_size": 512},
         },
         "vg_reps": 7,
+        "sweep_model": {"kind": "mlp", "batch_size": 256, "d_in": 256,
+                        "width": 512, "depth": 4, "d_out": 256},
         "ks": [1, 2, 4, 8, 16, 32],
         "sweep_time_ks": [1, 4, 8, 32],
         "sweep_reps": 3,
@@ -422,14 +425,18 @@ def config(quick):
       "cycle": {"adamw": {"leaves": 10, "size": 1024, "reps": 15},
                 "muon": {"leaves": 10, "size": 1024, "reps": 3}},
       "micro": {"leaves": 10, "size": 1024, "reps": 40, "calls_per_rep": 4},
+      # Micro-batches of 512 rows: big enough to keep the CPU's matmuls
+      # compute-bound (the sweep of d shows the cost of smaller ones).
       "vg_models": {
-          "mlp": {"kind": "mlp", "batch_size": 1024, "d_in": 1024,
+          "mlp": {"kind": "mlp", "batch_size": 4096, "d_in": 1024,
                   "width": 2048, "depth": 4, "d_out": 1024},
           "transformer": {"kind": "transformer", "batch_size": 32,
                           "seq_len": 128, "d_model": 256, "num_heads": 4,
                           "num_layers": 2, "vocab_size": 2048},
       },
-      "vg_reps": 15,
+      "vg_reps": 7,
+      "sweep_model": {"kind": "mlp", "batch_size": 1024, "d_in": 1024,
+                      "width": 2048, "depth": 4, "d_out": 1024},
       "ks": [1, 2, 4, 8, 16, 32],
       "sweep_time_ks": [1, 2, 4, 8, 16, 32],
       "sweep_reps": 5,
@@ -602,10 +609,14 @@ def markdown(res):
     lines += [f"## b. Non-emitting micro-step ({b['leaves']} x "
               f"{'x'.join(map(str, b['shape']))} f32, adamw inner, "
               "never emits)", "",
-              "`update only`: jitted `tx.update` with the state donated; "
-              "`train step`: `tx.update` + `optax.apply_updates`, params and "
-              "state donated; floor: jitted `tree_map(add)` with the "
-              "accumulator donated (reads 2N, writes N bytes).", "",
+              "`update only`: jitted `tx.update` with the state and the "
+              "gradients donated (the zero updates reuse the gradients' "
+              "buffer; reads 2N, writes 2N bytes at best); `train step`: "
+              "`tx.update` + `optax.apply_updates`, params and state donated "
+              "(adds a read-N write-N pass over the params, and XLA "
+              "materialises the zero updates as a temporary); floor: jitted "
+              "`tree_map(add)` with the accumulator donated (reads 2N, writes "
+              "N bytes).", "",
               "| candidate | wall per call | / floor | CPU per call | / floor |"
               " page faults per call | temp | HLO copies (MiB) | fusions |"
               " conditionals |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -645,8 +656,10 @@ def markdown(res):
     d = res["d"]
     t = d["time"]
     lines += ["## d. Time and temporary memory vs k", "",
-              f"Time per call on the `{t['model']}` of c (full batch: "
-              f"{_ms(t['candidates']['full batch']['median_s'])}):", "",
+              f"Time per call on the `{t['model']}` "
+              f"`{json.dumps(t['spec'])}` (full batch: "
+              f"{_ms(t['candidates']['full batch']['median_s'])}); the "
+              "micro-batch has batch_size / k rows:", "",
               "| k | " + " | ".join(str(k) for k in t["ks"]) + " |",
               "|---|" + "---|" * len(t["ks"])]
     for name in ("oa.value_and_grad", "optax.microbatching"):
