@@ -209,15 +209,9 @@ def param_tree(leaves, size):
 
 
 def ours_variants(args, inner, k):
-  """The transformations we time: the library, plus prototypes if asked."""
-  out = {"oa.accumulate": oa.accumulate(inner, k)}
-  if args.proto:
-    import _proto  # pylint: disable=import-outside-toplevel
-    variants = (_proto.VARIANTS if args.proto == "all"
-                else args.proto.split(","))
-    for variant in variants:
-      out[f"proto:{variant}"] = _proto.accumulate(inner, k, variant=variant)
-  return out
+  """The transformations we time (one; a hook for comparing variants)."""
+  del args
+  return {"oa.accumulate": oa.accumulate(inner, k)}
 
 
 def section_cycle(args, cfg):
@@ -756,9 +750,6 @@ def main(argv=None):
   parser.add_argument("--only", default="a,b,c,d",
                       help="comma-separated sections to run (a,b,c,d; e comes "
                       "with a)")
-  parser.add_argument("--proto", nargs="?", const="all", default=None,
-                      help="also time prototypes from benchmarks/_proto.py "
-                      "(comma-separated variants; all if none given)")
   parser.add_argument("--out", default=os.path.join(_HERE, "results",
                                                     "latest"),
                       help="output path prefix for .md, .json and .png")
