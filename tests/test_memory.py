@@ -84,3 +84,32 @@ def test_vmapped_micro_batches_do_not_save_memory():
 
   full = _full_batch_temp()
   assert _temp_bytes(vmapped) > 0.5 * full
+
+
+def _update_temp_bytes(tx, params):
+  """Temp memory of a donated ``tx.update`` (state and gradients donated)."""
+  state = jax.eval_shape(tx.init, params)
+  update = jax.jit(lambda g, s, p: tx.update(g, s, p), donate_argnums=(0, 1))
+  return update.lower(params, state, params).compile().memory_analysis(
+  ).temp_size_in_bytes
+
+
+def test_micro_step_needs_no_copy_of_the_sum_or_the_inner_state():
+  """A micro-step updates the sum in place and passes the inner state through.
+
+  XLA cannot write an output of a ``lax.cond`` in place over a donated input:
+  a sum reset inside the emitting branch, or a sum computed inside the
+  conditional, costs a temporary copy of the parameters' size on every
+  micro-step (MultiSteps, which selects over its whole state, needs three).
+  """
+  import optax  # pylint: disable=import-outside-toplevel
+
+  params = {f"w{i}": jax.ShapeDtypeStruct((512, 512), jnp.float32)
+            for i in range(4)}
+  param_bytes = 4 * 512 * 512 * 4
+  inner = optax.adamw(1e-3, weight_decay=1e-4)
+  ours = _update_temp_bytes(oa.accumulate(inner, 4), params)
+  multi_steps = _update_temp_bytes(optax.MultiSteps(inner, 4), params)
+  report = {"ours": ours / MiB, "MultiSteps": multi_steps / MiB}
+  assert ours < 0.1 * param_bytes, report
+  assert multi_steps >= param_bytes, report
