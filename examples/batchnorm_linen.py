@@ -43,7 +43,7 @@ Why that is usually fine, and what to do:
 
 Run it::
 
-  python examples/batchnorm_linen.py            # a few seconds
+  python examples/batchnorm_linen.py            # about 25 s on 2 CPU cores
   python examples/batchnorm_linen.py --k 8 --batch-size 128
 """
 
@@ -187,16 +187,20 @@ def max_abs_diff(a: Any, b: Any) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  """Trains BatchNorm and GroupNorm nets with 1 and k micro-batches."""
+  """Trains BatchNorm and GroupNorm nets with 1 and k micro-batches.
+
+  Returns their test accuracies, per-step losses and parameter gaps.
+  """
   args = parse_args(argv)
   start = time.perf_counter()
   train_data, test_data = load_digits(args.seed)
-  results: dict[str, Any] = {"k": args.k, "accuracy": {}, "final_loss": {},
-                             "max_param_diff": {}}
+  results: dict[str, Any] = {"k": args.k, "accuracy": {}, "losses": {},
+                             "final_loss": {}, "max_param_diff": {}}
   for norm in ("batch", "group"):
     runs = {k: train(norm, k, args, train_data, test_data) for k in (1, args.k)}
     for k, (_, losses, acc) in runs.items():
       results["accuracy"][f"{norm}_norm_k{k}"] = acc
+      results["losses"][f"{norm}_norm_k{k}"] = losses
       results["final_loss"][f"{norm}_norm_k{k}"] = float(losses[-20:].mean())
     results["max_param_diff"][f"{norm}_norm"] = max_abs_diff(
         runs[1][0].params, runs[args.k][0].params)

@@ -28,12 +28,12 @@ where micro-batch ``i`` has ``n_i`` tokens and mean loss ``L_i``. (b) computes
 exactly this gradient, so it follows run (a) to float32 rounding, through the
 learning-rate schedule, gradient clipping and AdamW. (c) computes
 :math:`\frac1k \sum_i \nabla L_i` instead: a token of the smallest micro-batch
-weighs ten times more than a token of the largest. It optimizes another
+weighs over ten times more than a token of the largest. It optimizes another
 objective, drifts away from (a) and ends with a higher loss.
 
 Run it::
 
-  python examples/train_lm.py     # about 2 minutes on 2 CPU cores
+  python examples/train_lm.py     # 1 to 2 minutes on 2 CPU cores
   python examples/train_lm.py --k 4 --steps 300 --out /tmp/lm.png
 
 It prints a summary table and saves a plot of the three runs' losses.
