@@ -709,7 +709,7 @@ def plot(res, path):
                ls="--", label="full batch jax.value_and_grad")
   ax_t.set(xscale="log", xlabel="num_microbatches k",
            ylabel="time per call (ms, median)",
-           title=f"Time vs k ({t['model']} of section c)")
+           title=f"Time vs k ({t['model']}, {t['spec']['batch_size']} rows)")
   ax_t.set_xticks(ks, [str(k) for k in ks])
   ax_t.set_ylim(bottom=0)
   ax_t.legend()
