@@ -14,8 +14,9 @@ import json
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+
+import toy_models
 
 NUM_MICROBATCHES = 2
 BATCH, SEQ, DIM = 16, 4, 8
@@ -24,29 +25,20 @@ BATCH, SEQ, DIM = 16, 4, 8
 def data():
   rng = np.random.default_rng(0)
   lengths = rng.integers(0, SEQ + 1, size=BATCH)  # uneven token counts.
-  mask = (np.arange(SEQ)[None, :] < lengths[:, None]).astype(np.float32)
-  return {
-      "x": rng.normal(size=(BATCH, SEQ, DIM)).astype(np.float32),
-      "y": rng.normal(size=(BATCH, SEQ)).astype(np.float32),
-      "mask": mask,
-  }
+  return toy_models.padded_batch(rng, lengths, SEQ, DIM)
 
 
 def params():
-  return {
-      "w": np.linspace(-1.0, 1.0, DIM, dtype=np.float32),
-      "b": np.asarray(0.3, np.float32),
-  }
+  return jax.tree.map(np.asarray, toy_models.linear_params(DIM))
 
 
 def mean_loss(params, batch):
-  pred = jnp.tanh(batch["x"] @ params["w"] + params["b"])
-  losses = batch["mask"] * (pred - batch["y"]) ** 2
-  return losses.sum() / jnp.maximum(batch["mask"].sum(), 1.0)
+  return toy_models.safe_mean(
+      toy_models.linear_token_losses(params, batch), batch
+  )
 
 
-def num_tokens(batch):
-  return batch["mask"].sum()
+num_tokens = toy_models.num_tokens
 
 
 def main(process_id: int, num_processes: int, port: int, out: str) -> None:

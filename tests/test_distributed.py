@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import optax_accum as oa
+import toy_models
 
 N = 8  # simulated devices (tests/conftest.py).
 K = 2  # micro-batches per device and step.
@@ -31,26 +32,21 @@ def _data(seed=0):
   rng = np.random.default_rng(seed)
   lengths = rng.integers(0, SEQ + 1, size=BATCH)
   lengths[:4] = [0, 4, 1, 0]  # a micro-batch with no tokens on device 0.
-  mask = (np.arange(SEQ)[None, :] < lengths[:, None]).astype(np.float32)
-  return {
-      "x": jnp.asarray(rng.normal(size=(BATCH, SEQ, DIM)), jnp.float32),
-      "y": jnp.asarray(rng.normal(size=(BATCH, SEQ)), jnp.float32),
-      "mask": jnp.asarray(mask),
-  }
+  batch = toy_models.padded_batch(rng, lengths, SEQ, DIM)
+  return jax.tree.map(jnp.asarray, batch)
 
 
 def _params():
-  return {"w": jnp.linspace(-1.0, 1.0, DIM), "b": jnp.float32(0.3)}
+  return toy_models.linear_params(DIM)
 
 
 def mean_loss(params, batch):
-  pred = jnp.tanh(batch["x"] @ params["w"] + params["b"])
-  losses = batch["mask"] * (pred - batch["y"]) ** 2
-  return losses.sum() / jnp.maximum(batch["mask"].sum(), 1.0)
+  return toy_models.safe_mean(
+      toy_models.linear_token_losses(params, batch), batch
+  )
 
 
-def num_tokens(batch):
-  return batch["mask"].sum()
+num_tokens = toy_models.num_tokens
 
 
 def _expected():

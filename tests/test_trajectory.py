@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import optax_accum as oa
+import toy_models
 
 SEQ, DIM, HIDDEN = 5, 3, 4
 MICRO_BATCH_SIZE = 2
@@ -43,21 +44,11 @@ def _inner(schedule=_schedule):
 
 
 def _params():
-  rng = np.random.default_rng(0)
-  return {
-      "w1": jnp.asarray(rng.normal(size=(DIM, HIDDEN)), jnp.float32),
-      "b1": jnp.asarray(rng.normal(size=(HIDDEN,)) * 0.1, jnp.float32),
-      "w2": jnp.asarray(rng.normal(size=(HIDDEN,)), jnp.float32),
-  }
+  return toy_models.mlp_params(DIM, HIDDEN, seed=0)
 
 
-def _token_losses(params, batch):
-  hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-  return batch["mask"] * (hidden @ params["w2"] - batch["y"]) ** 2
-
-
-def _num_tokens(batch):
-  return batch["mask"].sum()
+_token_losses = toy_models.mlp_token_losses
+_num_tokens = toy_models.num_tokens
 
 
 def _mean_loss(params, batch):

@@ -9,40 +9,32 @@ import numpy as np
 import pytest
 
 import optax_accum as oa
+import toy_models
 
 BATCH, SEQ, DIM = 8, 6, 4
 
 
 def _data(seed=0):
-  rng = np.random.default_rng(seed)
-  lengths = np.array([6, 1, 0, 2, 6, 5, 1, 3])  # uneven across micro-batches
-  mask = (np.arange(SEQ)[None, :] < lengths[:, None]).astype(np.float32)
-  return {
-      "x": jnp.asarray(rng.normal(size=(BATCH, SEQ, DIM)), jnp.float32),
-      "y": jnp.asarray(rng.normal(size=(BATCH, SEQ)), jnp.float32),
-      "mask": jnp.asarray(mask),
-  }
+  lengths = [6, 1, 0, 2, 6, 5, 1, 3]  # uneven across micro-batches
+  batch = toy_models.padded_batch(np.random.default_rng(seed), lengths, SEQ, DIM)
+  assert len(lengths) == BATCH
+  return jax.tree.map(jnp.asarray, batch)
 
 
 def _params():
-  return {"w": jnp.linspace(-1.0, 1.0, DIM), "b": jnp.float32(0.3)}
+  return toy_models.linear_params(DIM)
 
 
-def _token_losses(params, batch):
-  pred = jnp.tanh(batch["x"] @ params["w"] + params["b"])
-  return batch["mask"] * (pred - batch["y"]) ** 2
+_token_losses = toy_models.linear_token_losses
+num_tokens = toy_models.num_tokens
 
 
-def mean_loss(params, batch):
+def mean_loss(params, batch):  # 0/0 without tokens, on purpose.
   return _token_losses(params, batch).sum() / batch["mask"].sum()
 
 
 def sum_loss(params, batch):
   return _token_losses(params, batch).sum()
-
-
-def num_tokens(batch):
-  return batch["mask"].sum()
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
