@@ -27,6 +27,7 @@ def padded_batch(rng: np.random.Generator, lengths, seq: int, dim: int):
 
 
 def num_tokens(batch):
+  """The number of tokens in ``batch``: the sum of its mask."""
   return batch["mask"].sum()
 
 
