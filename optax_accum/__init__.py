@@ -2,7 +2,7 @@
 
 from optax_accum._src.accumulate import accumulate as accumulate
 from optax_accum._src.accumulate import AccumulateState as AccumulateState
-from optax_accum._src.distributed import device_local as device_local
+from optax_accum._src.axes import device_local as device_local
 from optax_accum._src.hlo import CollectiveCounts as CollectiveCounts
 from optax_accum._src.hlo import count_collectives as count_collectives
 from optax_accum._src.partition_specs import state_partition_specs as state_partition_specs

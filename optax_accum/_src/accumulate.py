@@ -8,26 +8,189 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
-from optax_accum._src import distributed
+from optax_accum._src import axes
+from optax_accum._src import partial_sums
+from optax_accum._src import token_weighting
 from optax_accum._src import validation
 
 
 class AccumulateState(NamedTuple):
   """State of :func:`accumulate`: the running sums and the wrapped state.
 
-  ``grad_sum`` is the current cycle's running sum. When ``micro_step == 0``
-  (a cycle has just been emitted) it still holds the finished cycle's sum,
-  which the next call discards instead of adding to: the reset is lazy so that
-  a non-emitting micro-step stays one in-place pass over the sum.
+  With ``axis_name``, the fields marked *per device* hold each device's own
+  partial value behind a leading slot axis of one slot per device (see
+  :func:`optax_accum.state_partition_specs`); they are summed over the axis
+  once per cycle, when it emits.
+
+  Attributes:
+    micro_step: micro-steps taken in the current cycle; 0 right after an emit.
+    count: optimizer updates emitted so far (cycles that had tokens).
+    grad_sum: the current cycle's running sum of token-weighted gradients,
+      shaped like the parameters, in ``accumulator_dtype``; per device. The
+      reset is lazy: right after an emit (``micro_step == 0``) it still holds
+      the finished cycle's sum, which the next call discards instead of
+      adding to (see ``_add_to_sum`` in this module for why).
+    token_count: the current cycle's running token count, float32; per
+      device.
+    inner_state: the state of the wrapped optimizer, advanced once per emit.
+    emitted: whether the call that produced this state emitted an update
+      (read it with :func:`optax_accum.has_updated`).
+    nonfinite_count: micro-steps dropped by ``skip_nonfinite`` (a non-finite
+      gradient or ``num_tokens``) since ``init``; per device.
+    skipped_count: micro-steps dropped by ``should_skip`` since ``init``; per
+      device.
   """
 
   micro_step: jax.Array  # shape=(), dtype=jnp.int32.
   count: jax.Array  # shape=(), dtype=jnp.int32.
   grad_sum: optax.Updates  # like params, dtype=accumulator_dtype.
-  token_count: jax.Array  # shape=(), dtype=jnp.float32.
+  token_count: jax.Array  # shape=() or (slots,), dtype=jnp.float32.
   inner_state: optax.OptState
   emitted: jax.Array  # shape=(), dtype=jnp.bool_.
-  nonfinite_count: jax.Array  # shape=(), dtype=jnp.int32.
+  nonfinite_count: jax.Array  # shape=() or (slots,), dtype=jnp.int32.
+  skipped_count: jax.Array  # shape=() or (slots,), dtype=jnp.int32.
+
+
+# The fields of AccumulateState that hold a per-device scalar under axis_name.
+PER_DEVICE_COUNTS = ("token_count", "nonfinite_count", "skipped_count")
+
+
+class _Drops(NamedTuple):
+  """Why a micro-step adds nothing."""
+
+  nonfinite: jax.Array  # shape=(), bool: dropped by skip_nonfinite.
+  skipped: jax.Array  # shape=(), bool: dropped by should_skip.
+
+
+def _cycle_length(
+    every_k: int | Callable[[jax.Array], jax.Array], count: jax.Array
+) -> jax.Array:
+  """Micro-steps in the cycle that ends with update number ``count + 1``."""
+  if not callable(every_k):
+    return jnp.asarray(every_k, jnp.int32)
+  length = jnp.asarray(every_k(count))
+  if length.ndim != 0 or not jnp.issubdtype(length.dtype, jnp.integer):
+    raise TypeError(
+        "every_k(count) must return an integer scalar, got"
+        f" {length.dtype}{list(length.shape)}."
+    )
+  return jnp.maximum(length.astype(jnp.int32), 1)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+  finite = jnp.bool_(True)
+  for leaf in jax.tree.leaves(tree):
+    finite &= jnp.all(jnp.isfinite(leaf))
+  return finite
+
+
+def _drops(updates, tokens, state, params, skip_nonfinite, should_skip):
+  """Whether ``skip_nonfinite`` and ``should_skip`` drop this micro-step."""
+  nonfinite = jnp.bool_(False)
+  if skip_nonfinite:
+    bad_count = token_weighting.is_bad_count(tokens)
+    nonfinite = bad_count | ~_all_finite(updates)
+  skipped = jnp.bool_(False)
+  if should_skip is not None:
+    skipped = validation.check_predicate(
+        "should_skip(grads, state, params)", should_skip(updates, state, params)
+    )
+  return _Drops(nonfinite=nonfinite, skipped=skipped)
+
+
+def _add_to_sum(grad_sum, updates, contribution, cycle_start):
+  """The running sum after this micro-step, with the lazy reset.
+
+  The call that starts a cycle (``micro_step == 0``) adds to zeros instead of
+  to the stored sum, which still holds the finished cycle's. Zeroing the sum
+  in the emitting branch instead would make it an output of the
+  ``lax.cond``, which XLA cannot write in place: every accumulator (and, on
+  CPU, inner-state) buffer would then be copied on every micro-step. This way
+  a non-emitting call is one fused in-place pass over the sum, and the
+  conditional only reads it.
+  """
+  restarted = jax.tree.map(
+      lambda s: jnp.where(cycle_start, jnp.zeros([], s.dtype), s), grad_sum
+  )
+  return token_weighting.add(restarted, updates, contribution)
+
+
+def _should_emit(emit, micro_step, length):
+  """The emit decision: the every_k rule, or the caller's ``emit``."""
+  if emit is None:
+    return micro_step >= length
+  return validation.check_predicate("emit", emit)
+
+
+class _Emitter(NamedTuple):
+  """Runs ``inner`` on the cycle's mean, or hands back zero updates."""
+
+  inner: optax.GradientTransformationExtraArgs
+  axis_name: axes.AxisName | None
+  params: Any
+  extra_args: dict[str, Any]
+  like_grads: Any  # the gradients' tree: the mean takes their dtypes.
+  like_updates: Any  # ShapeDtypeStructs of inner's updates.
+
+  def run_inner(self, grad_sum, token_count, inner_state):
+    mean = token_weighting.mean(grad_sum, token_count, self.like_grads)
+    updates, new_state = self.inner.update(
+        mean, inner_state, self.params, **self.extra_args
+    )
+    return updates, optax.tree.cast_like(new_state, inner_state)
+
+  def skip_inner(self, grad_sum, token_count, inner_state):
+    del grad_sum, token_count
+    return partial_sums.zeros_like_partials(self.like_updates), inner_state
+
+  def emit(self, grad_sum, token_count, inner_state):
+    """The emitting branch: ``(updates, inner_state, whether it updated)``."""
+    with jax.named_scope("optax_accum_emit"):
+      if self.axis_name is not None:
+        # The one reduction over devices per optimizer update.
+        grad_sum, token_count = partial_sums.sum_partials(
+            (grad_sum, token_count), self.axis_name
+        )
+        token_count = token_count.reshape(())
+      updated = token_weighting.has_tokens(token_count)
+      updates, inner_state = lax.cond(
+          updated, self.run_inner, self.skip_inner, grad_sum, token_count,
+          inner_state,
+      )
+      return updates, inner_state, updated
+
+  def skip(self, grad_sum, token_count, inner_state):
+    return (*self.skip_inner(grad_sum, token_count, inner_state),
+            jnp.bool_(False))
+
+
+def _emitter(inner, axis_name, updates, inner_state, params, extra_args):
+  like_updates = jax.eval_shape(
+      lambda s: inner.update(
+          partial_sums.like_summed(updates, axis_name), s, params,
+          **extra_args,
+      )[0],
+      inner_state,
+  )
+  return _Emitter(inner, axis_name, params, extra_args, updates, like_updates)
+
+
+def _increment_where(flag, counter):
+  return jnp.where(flag, optax.safe_increment(counter), counter)
+
+
+def _next_state(state, micro_step, emit, updated, grad_sum, token_count,
+                inner_state, drops):
+  return AccumulateState(
+      micro_step=jnp.where(emit, jnp.zeros_like(micro_step), micro_step),
+      count=_increment_where(updated, state.count),
+      grad_sum=grad_sum,
+      token_count=jnp.where(emit, jnp.zeros_like(token_count), token_count),
+      inner_state=inner_state,
+      emitted=updated,
+      nonfinite_count=_increment_where(drops.nonfinite, state.nonfinite_count),
+      skipped_count=_increment_where(drops.skipped, state.skipped_count),
+  )
 
 
 def accumulate(
@@ -38,6 +201,7 @@ def accumulate(
     accumulator_dtype: Any = jnp.float32,
     axis_name: str | tuple[str, ...] | None = None,
     skip_nonfinite: bool = False,
+    should_skip: Callable[[Any, Any, Any], Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates micro-batch gradients and updates once per cycle.
 
@@ -46,7 +210,8 @@ def accumulate(
   ``num_tokens`` items, so the call adds ``num_tokens * grads`` to a running
   sum; with ``"sum"`` it adds ``grads`` as they are. In both cases it adds
   ``num_tokens`` to a running token count. On the ``every_k``-th call of a
-  cycle the transformation hands ``inner`` the exact token-weighted mean
+  cycle (or a call with ``emit=True``) the transformation hands ``inner`` the
+  exact token-weighted mean
 
   .. math::
     \bar g = \frac{\sum_i n_i \, g_i}{\sum_i n_i}
@@ -63,12 +228,18 @@ def accumulate(
   a non-emitting call to one fused in-place pass over the sum.
 
   The sum is kept in ``accumulator_dtype`` whatever the gradients' dtype; the
-  mean handed to ``inner`` has the gradients' dtype. A cycle with no tokens
-  (every micro-step dropped, say) emits zero updates and leaves ``inner``'s
-  state untouched. With ``axis_name``, gradients and token counts stay local to
-  each device through the cycle and are summed over the axis once, inside the
-  emitting branch; use it inside :func:`jax.shard_map` or :func:`jax.pmap`,
-  with :func:`optax_accum.state_partition_specs` for the state's specs.
+  mean handed to ``inner`` has the gradients' dtype. A micro-step with zero
+  tokens adds nothing (its gradient is not looked at, so a 0/0 mean cannot
+  leak NaN). A cycle with no tokens emits zero updates and leaves ``inner``'s
+  state untouched. A ``num_tokens`` that is NaN, infinite or negative is never
+  used as a weight: a concrete one raises; a traced one is dropped (and
+  counted) under ``skip_nonfinite``, and otherwise makes the emitted update
+  NaN. With ``axis_name``, gradients and token counts stay local to each
+  device through the cycle and are summed over the axis once, inside the
+  emitting branch; use it inside :func:`jax.shard_map` (on gradients taken
+  with respect to :func:`optax_accum.device_local` parameters) or
+  :func:`jax.pmap`, with :func:`optax_accum.state_partition_specs` for the
+  state's specs.
 
   Args:
     inner: the optimizer to run on the accumulated gradient.
@@ -80,14 +251,21 @@ def accumulate(
     accumulator_dtype: floating dtype of the running sum.
     axis_name: data-parallel axis (or axes) to sum over on emit, or None.
     skip_nonfinite: if True, a micro-step whose gradient (or ``num_tokens``)
-      has a NaN or Inf adds nothing, neither gradient nor tokens, but still
-      counts as a micro-step of the cycle; ``state.nonfinite_count`` counts
-      them.
+      has a NaN or Inf, or whose ``num_tokens`` is negative, adds nothing,
+      neither gradient nor tokens, but still counts as a micro-step of the
+      cycle; ``state.nonfinite_count`` counts them.
+    should_skip: None, or ``should_skip(grads, state, params)`` returning a
+      bool scalar: a micro-step for which it is true adds nothing, like a
+      non-finite one, and ``state.skipped_count`` counts it. ``state`` is
+      this transformation's state before the call.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose ``update`` takes
-    ``(grads, state, params=None, *, num_tokens=None, **extra_args)``;
-    ``num_tokens=None`` counts as one and ``extra_args`` go on to ``inner``.
+    ``(grads, state, params=None, *, num_tokens=None, emit=None,
+    **extra_args)``. ``num_tokens=None`` counts as one. ``emit=None`` keeps
+    the ``every_k`` rule; ``emit=True`` (a Python or traced bool) ends the
+    cycle on this call, ``emit=False`` forbids ending it. ``extra_args`` go
+    on to ``inner``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -104,167 +282,68 @@ def accumulate(
     >>> updates, state = tx.update(g2, state, params, num_tokens=3)
     >>> updates['w'], oa.has_updated(state)  # -(1*g1 + 3*g2) / 4
     (Array([-1., -3.], dtype=float32), Array(True, dtype=bool))
+    >>> # The end of an epoch: a partial window, emitted now.
+    >>> updates, state = tx.update(g1, state, params, num_tokens=2, emit=True)
+    >>> updates['w']
+    Array([-4.,  0.], dtype=float32)
   """
   every_k = validation.check_every_k(every_k)
   loss_reduction = validation.check_loss_reduction(loss_reduction)
   accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
   axis_name = validation.check_axis_name(axis_name)
   skip_nonfinite = validation.check_bool("skip_nonfinite", skip_nonfinite)
-  if not isinstance(inner, optax.GradientTransformation):
-    raise TypeError(
-        "inner must be an optax.GradientTransformation, got"
-        f" {type(inner).__name__}."
-    )
+  should_skip = validation.check_optional_callable("should_skip", should_skip)
+  validation.check_transformation("inner", inner)
+  takes_extra_args = isinstance(inner, optax.GradientTransformationExtraArgs)
   inner = optax.with_extra_args_support(inner)
-  # With an axis, the running sums are this device's partial sums; a leading
-  # slot axis of size one lets shard_map lay them out one slot per device
-  # (scalars included), so that no device's partial sum can be dropped.
-  slot_shape = () if axis_name is None else (1,)
 
   def partial_zeros(shape, dtype):
+    # With an axis, the running sums are this device's partial sums; a
+    # leading slot axis lets shard_map lay them out one slot per device
+    # (scalars included), so that no device's partial sum can be dropped.
     if axis_name is None:
       return jnp.zeros(shape, dtype)
-    # One slot per device of the current mesh, or this device's one slot.
-    return distributed.partial_zeros(shape, dtype, axis_name)
+    return partial_sums.partial_zeros(shape, dtype, axis_name)
 
   def init_fn(params):
-    grad_sum = jax.tree.map(
-        lambda p: partial_zeros(jnp.shape(p), accumulator_dtype), params
-    )
     return AccumulateState(
         micro_step=jnp.zeros([], jnp.int32),
         count=jnp.zeros([], jnp.int32),
-        grad_sum=grad_sum,
+        grad_sum=jax.tree.map(
+            lambda p: partial_zeros(jnp.shape(p), accumulator_dtype), params
+        ),
         token_count=partial_zeros((), jnp.float32),
         inner_state=inner.init(params),
         emitted=jnp.zeros([], jnp.bool_),
         nonfinite_count=partial_zeros((), jnp.int32),
+        skipped_count=partial_zeros((), jnp.int32),
     )
 
-  def cycle_length(count):
-    if callable(every_k):
-      length = jnp.asarray(every_k(count))
-      if length.ndim != 0 or not jnp.issubdtype(length.dtype, jnp.integer):
-        raise TypeError(
-            "every_k(count) must return an integer scalar, got"
-            f" {length.dtype}{list(length.shape)}."
-        )
-      return jnp.maximum(length.astype(jnp.int32), 1)
-    return jnp.asarray(every_k, jnp.int32)
-
-  def update_fn(updates, state, params=None, *, num_tokens=None, **extra_args):
-    local_sum = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(jnp.shape(s)[len(slot_shape):], s.dtype),
-        state.grad_sum,
-    )
-    validation.check_same_structure(
-        "updates", updates, local_sum, "the params the state was built for"
-    )
+  def update_fn(updates, state, params=None, *, num_tokens=None, emit=None,
+                **extra_args):
+    if extra_args and not takes_extra_args:
+      validation.refuse_extra_args("inner", extra_args)
+    updates = validation.check_grads(updates, state.grad_sum, axis_name)
     tokens = validation.as_token_count("num_tokens", num_tokens)
-    if skip_nonfinite:
-      finite = jnp.isfinite(tokens)
-      for g in jax.tree.leaves(updates):
-        finite &= jnp.all(jnp.isfinite(g))
-    else:
-      finite = jnp.bool_(True)
-    if loss_reduction == "mean":
-      weight = tokens
-      # A mean over zero tokens is often 0/0: its gradient must add nothing.
-      keep = finite & (tokens != 0)
-    else:
-      weight = jnp.float32(1)
-      keep = finite
-    guarded = skip_nonfinite or loss_reduction == "mean"
-
-    # The reset is lazy: the call that starts a cycle adds to zeros instead of
-    # to the finished cycle's sum. Zeroing the sum inside the emitting branch
-    # would make it an output of the conditional, which XLA cannot write in
-    # place: it then copies every accumulator (and, on CPU, inner-state)
-    # buffer on every micro-step. This way a non-emitting call is one fused
-    # in-place pass over the sum, and the conditional only reads it.
-    cycle_start = state.micro_step == 0
-
-    def add_leaf(acc, g):
-      acc = jnp.where(cycle_start, jnp.zeros([], acc.dtype), acc)
-      term = weight.astype(acc.dtype) * g.astype(acc.dtype)
-      if guarded:
-        term = jnp.where(keep, term, jnp.zeros([], term.dtype))
-      return acc + term.reshape(acc.shape)
-
-    grad_sum = jax.tree.map(add_leaf, state.grad_sum, updates)
-    token_count = state.token_count + jnp.where(finite, tokens, 0.0)
+    drops = _drops(updates, tokens, state, params, skip_nonfinite, should_skip)
+    contribution = token_weighting.contribution(
+        tokens, loss_reduction, drop=drops.nonfinite | drops.skipped
+    )
+    grad_sum = _add_to_sum(
+        state.grad_sum, updates, contribution, state.micro_step == 0
+    )
+    token_count = state.token_count + contribution.tokens
     micro_step = optax.safe_increment(state.micro_step)
-    emit = micro_step >= cycle_length(state.count)
-
-    inner_updates_shape = jax.eval_shape(
-        lambda s: inner.update(
-            distributed.like_summed(updates, axis_name), s, params,
-            **extra_args
-        )[0],
+    emit = _should_emit(emit, micro_step, _cycle_length(every_k, state.count))
+    emitter = _emitter(
+        inner, axis_name, updates, state.inner_state, params, extra_args
+    )
+    new_updates, inner_state, updated = lax.cond(
+        emit, emitter.emit, emitter.skip, grad_sum, token_count,
         state.inner_state,
     )
-
-    def no_updates():
-      return distributed.zeros_like_partials(inner_updates_shape)
-
-    def run_inner(grad_sum, token_count, inner_state):
-      safe_count = jnp.where(token_count > 0, token_count, 1.0)
-      mean = jax.tree.map(
-          lambda s, g: (s / safe_count.astype(s.dtype)).astype(g.dtype),
-          grad_sum,
-          updates,
-      )
-      new_updates, new_state = inner.update(
-          mean, inner_state, params, **extra_args
-      )
-      return new_updates, optax.tree.cast_like(new_state, inner_state)
-
-    def skip_inner(grad_sum, token_count, inner_state):
-      del grad_sum, token_count
-      return no_updates(), inner_state
-
-    if axis_name is None:
-      updated = emit & (token_count > 0)
-      new_updates, inner_state = lax.cond(
-          updated, run_inner, skip_inner, grad_sum, token_count,
-          state.inner_state,
-      )
-    else:
-      # The sums over devices happen only in the emitting branch: one
-      # reduction per optimizer update.
-      def emit_branch(grad_sum, token_count, inner_state):
-        grad_sum, token_count = distributed.sum_partials(
-            (grad_sum, token_count), axis_name
-        )
-        token_count = token_count.reshape(())
-        has_tokens = token_count > 0
-        new_updates, inner_state = lax.cond(
-            has_tokens, run_inner, skip_inner, grad_sum, token_count,
-            inner_state,
-        )
-        return new_updates, inner_state, has_tokens
-
-      def skip_branch(grad_sum, token_count, inner_state):
-        del grad_sum, token_count
-        return no_updates(), inner_state, jnp.bool_(False)
-
-      new_updates, inner_state, updated = lax.cond(
-          emit, emit_branch, skip_branch, grad_sum, token_count,
-          state.inner_state,
-      )
-    new_state = AccumulateState(
-        micro_step=jnp.where(emit, 0, micro_step),
-        count=jnp.where(updated, optax.safe_increment(state.count), state.count),
-        grad_sum=grad_sum,
-        token_count=jnp.where(emit, jnp.zeros_like(token_count), token_count),
-        inner_state=inner_state,
-        emitted=updated,
-        nonfinite_count=jnp.where(
-            finite,
-            state.nonfinite_count,
-            optax.safe_increment(state.nonfinite_count),
-        ),
-    )
+    new_state = _next_state(state, micro_step, emit, updated, grad_sum,
+                            token_count, inner_state, drops)
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

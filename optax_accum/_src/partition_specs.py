@@ -7,12 +7,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import accumulate as accumulate_lib
-from optax_accum._src import distributed
+from optax_accum._src import axes
+from optax_accum._src import state_lookup
 
 
 def state_partition_specs(
     state: Any,
-    axis_name: distributed.AxisName,
+    axis_name: axes.AxisName,
     param_specs: Any = None,
 ) -> Any:
   """``PartitionSpec``\\ s for an optimizer state holding per-device sums.
@@ -58,16 +59,7 @@ def state_partition_specs(
     ({'w': P('data',)}, P('data',), P())
   """
   is_state = lambda x: isinstance(x, accumulate_lib.AccumulateState)
-  accumulate_states = [
-      node for node in jax.tree.leaves(state, is_leaf=is_state)
-      if is_state(node)
-  ]
-  if not accumulate_states:
-    raise ValueError(
-        "state must contain an AccumulateState (the state of"
-        " optax_accum.accumulate), got a tree of type"
-        f" {type(state).__name__} with none."
-    )
+  grad_sum = state_lookup.accumulate_states(state)[0].grad_sum
   slot = axis_name
 
   def spec_tree_for(grad_sum):
@@ -117,10 +109,9 @@ def state_partition_specs(
         lambda spec: P(slot, *spec), param_tree,
         is_leaf=lambda x: isinstance(x, P),
     )
-    for name in ("token_count", "nonfinite_count"):
+    for name in accumulate_lib.PER_DEVICE_COUNTS:
       if jnp.ndim(getattr(node, name)) == 1:
         fields[name] = P(slot)
     return type(node)(**fields)
 
-  grad_sum = accumulate_states[0].grad_sum
   return specs_of(state, grad_sum, spec_tree_for(grad_sum))

@@ -35,6 +35,27 @@ def _unwrap_variables(state: accumulate_lib.AccumulateState) -> Any:
   )
 
 
+def accumulate_states(tree: Any) -> list[accumulate_lib.AccumulateState]:
+  """Every :class:`AccumulateState` inside ``tree``, in depth-first order.
+
+  Raises:
+    ValueError: if there is none.
+  """
+  if _is_state(tree):
+    return [tree]
+  found = [
+      node for node in jax.tree.leaves(tree, is_leaf=_is_state)
+      if _is_state(node)
+  ]
+  if not found:
+    raise ValueError(
+        "The tree must contain an AccumulateState (the state of"
+        " optax_accum.accumulate), got a tree of type"
+        f" {type(tree).__name__} with none."
+    )
+  return found
+
+
 def find_accumulate_state(tree: Any) -> accumulate_lib.AccumulateState:
   """Returns the first :class:`AccumulateState` inside an optimizer state.
 
@@ -62,16 +83,7 @@ def find_accumulate_state(tree: Any) -> accumulate_lib.AccumulateState:
     >>> oa.find_accumulate_state(state).micro_step
     Array(0, dtype=int32)
   """
-  if _is_state(tree):
-    return _unwrap_variables(tree)
-  for node in jax.tree.leaves(tree, is_leaf=_is_state):
-    if _is_state(node):
-      return _unwrap_variables(node)
-  raise ValueError(
-      "tree must contain an AccumulateState (the state of"
-      f" optax_accum.accumulate), got a tree of type {type(tree).__name__}"
-      " with none."
-  )
+  return _unwrap_variables(accumulate_states(tree)[0])
 
 
 def has_updated(state: Any) -> jax.Array:

@@ -5,13 +5,20 @@ names the argument, the value that was given and what was expected.
 """
 
 from collections.abc import Callable
+import math
 import numbers
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_accum._src import axes
 
 LOSS_REDUCTIONS = ("mean", "sum")
+INT32_MAX = 2**31 - 1
 
 
 def check_positive_int(name: str, value: Any) -> int:
@@ -35,7 +42,12 @@ def check_every_k(value: Any) -> int | Callable[[jax.Array], jax.Array]:
         "every_k must be a positive int or a callable mapping the update count"
         f" to a cycle length, got {value!r} of type {type(value).__name__}."
     )
-  return check_positive_int("every_k", value)
+  every_k = check_positive_int("every_k", value)
+  if every_k > INT32_MAX:
+    raise ValueError(
+        f"every_k must fit in int32 (at most {INT32_MAX}), got {every_k}."
+    )
+  return every_k
 
 
 def check_loss_reduction(value: Any) -> str:
@@ -110,13 +122,127 @@ def check_same_structure(
       )
 
 
+def _is_concrete(value: Any) -> bool:
+  return not isinstance(value, jax.core.Tracer)
+
+
 def as_token_count(name: str, value: Any) -> jax.Array:
-  """Returns a token count as a float32 scalar; None counts as one."""
+  """Returns a token count as a float32 scalar; None counts as one.
+
+  A concrete count that is not a finite non-negative number raises here; a
+  traced one is checked by the token-weighting rules (see
+  ``token_weighting``).
+  """
   if value is None:
     return jnp.ones([], jnp.float32)
+  dtype = getattr(value, "dtype", None)
+  if isinstance(value, bool) or (
+      not isinstance(value, numbers.Number)
+      and (dtype is None or not jnp.issubdtype(dtype, jnp.number))
+  ) or (dtype is not None and jnp.issubdtype(dtype, jnp.bool_)):
+    raise TypeError(
+        f"{name} must be a number (the count of items the loss averaged or"
+        f" summed over), got {value!r} of type {type(value).__name__}."
+    )
   if jnp.ndim(value) != 0:
     raise ValueError(
         f"{name} must be a scalar (the number of items the loss averaged or"
         f" summed over), got an array of shape {jnp.shape(value)}."
     )
+  if _is_concrete(value):
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+      raise ValueError(
+          f"{name} must be a finite number >= 0, got {value!r}."
+      )
   return jnp.asarray(value).astype(jnp.float32)
+
+
+def check_predicate(name: str, value: Any) -> jax.Array:
+  """Returns ``value`` as a bool scalar, or raises naming ``name``."""
+  if isinstance(value, (bool, np.bool_)):
+    return jnp.asarray(value)
+  dtype = getattr(value, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.bool_) or jnp.ndim(value):
+    shape = "" if dtype is None else f" {dtype}{list(jnp.shape(value))}"
+    raise TypeError(
+        f"{name} must be a bool scalar, got {type(value).__name__}{shape}."
+    )
+  return jnp.asarray(value)
+
+
+def check_optional_callable(name: str, value: Any) -> Callable[..., Any] | None:
+  if value is not None and not callable(value):
+    raise TypeError(f"{name} must be None or callable, got {value!r}.")
+  return value
+
+
+def check_transformation(name: str, value: Any) -> None:
+  if not isinstance(value, optax.GradientTransformation):
+    raise TypeError(
+        f"{name} must be an optax.GradientTransformation, got"
+        f" {type(value).__name__}."
+    )
+
+
+def refuse_extra_args(name: str, extra_args: dict[str, Any]) -> None:
+  """Raises for keyword arguments that a plain transformation cannot take."""
+  raise TypeError(
+      f"Unexpected keyword argument(s) {sorted(extra_args)} to update: {name}"
+      " is a plain optax.GradientTransformation, which takes no extra"
+      " arguments, so they would be silently ignored (a typo of num_tokens"
+      " or emit?)."
+  )
+
+
+def _tracks_varying(axis_name: axes.AxisName) -> bool:
+  """Whether values here carry which manual axes they vary over.
+
+  Inside :func:`jax.shard_map` with ``check_vma=True`` (the default) they
+  do; under :func:`jax.pmap` or ``check_vma=False`` every value looks
+  invariant, and nothing can be told from types.
+  """
+  probe = lax.pcast(jnp.zeros([]), axes.axes_of(axis_name), to="varying")
+  return set(axes.axes_of(axis_name)) <= axes.varying_axes(probe)
+
+
+def check_device_local(name: str, tree: Any, axis_name: axes.AxisName) -> None:
+  """Raises if a leaf is invariant over ``axis_name`` where types tell."""
+  if not _tracks_varying(axis_name):
+    return
+  wanted = set(axes.axes_of(axis_name))
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    missing = wanted - axes.varying_axes(leaf)
+    if missing:
+      raise ValueError(
+          f"{name}{jax.tree_util.keystr(path)} is the same on every device of"
+          f" axis {sorted(missing)} (invariant): autodiff has already summed"
+          " it over the axis, and accumulate would sum it again when it"
+          " emits, making the update as many times too large as there are"
+          " devices. Take the gradient with respect to"
+          f" optax_accum.device_local(params, {axis_name!r}) so that each"
+          " device keeps its own."
+      )
+
+
+def check_grads(grads: Any, grad_sum: Any,
+                axis_name: axes.AxisName | None) -> Any:
+  """Returns the incoming gradients as arrays, checked against the state.
+
+  Python scalars and NumPy arrays are accepted as optax accepts them. With
+  ``axis_name`` the sum carries a leading slot axis, the axis must be bound
+  here (inside shard_map or pmap), and the gradients must be device-local.
+  """
+  if axis_name is not None:
+    axes.check_bound(axis_name)
+  slot = 0 if axis_name is None else 1
+  expected = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(jnp.shape(s)[slot:], s.dtype), grad_sum
+  )
+  check_same_structure(
+      "updates", grads, expected, "the params the state was built for"
+  )
+  grads = jax.tree.map(jnp.asarray, grads)
+  if axis_name is not None:
+    check_device_local("updates", grads, axis_name)
+  return grads

@@ -1,57 +1,210 @@
 """The micro-batch loop: a full batch's exact gradient, one micro-batch at a time."""
 
 from collections.abc import Callable
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._src import distributed
+from optax_accum._src import axes
+from optax_accum._src import batching
+from optax_accum._src import mesh_loop
+from optax_accum._src import partial_sums
+from optax_accum._src import sharding
+from optax_accum._src import token_weighting
 from optax_accum._src import validation
 
+# Kept importable from here: the split is part of this module's contract.
+split_microbatches = batching.split_microbatches
 
-def split_microbatches(batch: Any, num_microbatches: int) -> Any:
-  """Reshapes each leaf ``(B, ...)`` into ``(num_microbatches, B // k, ...)``.
 
-  Micro-batch ``i`` holds rows ``[i * B // k, (i + 1) * B // k)``. The reshape
-  is free in XLA: no copy of the batch is made.
+class _Sums(NamedTuple):
+  """The loop's running sums (per device under ``axis_name``)."""
 
-  Args:
-    batch: a pytree of arrays sharing a leading batch axis.
-    num_microbatches: the number ``k`` of micro-batches.
+  grads: Any  # like params, dtype=accumulator_dtype.
+  loss: jax.Array  # shape=(), dtype=accumulator_dtype.
+  tokens: jax.Array  # shape=(), dtype=jnp.float32.
 
-  Returns:
-    The batch with a new leading micro-batch axis.
+
+class _Result(NamedTuple):
+  """What the loop hands back, before it is packed for the caller."""
+
+  loss: jax.Array
+  grads: Any
+  model_state: Any
+  aux: Any
+
+
+class _Options(NamedTuple):
+  """The validated settings of one :func:`value_and_grad`."""
+
+  num_microbatches: int
+  has_aux: bool
+  has_state: bool
+  num_tokens_fn: Callable[[Any], Any] | None
+  loss_reduction: str
+  axis_name: axes.AxisName | None
+  accumulator_dtype: Any
+
+
+def _normalize(loss_fn, has_aux, has_state):
+  """``loss_fn`` as ``f(params, model_state, mb, args) -> (loss, (state, aux))``.
+
+  Missing parts come back as None, so that the loop has one shape to handle.
   """
-  leaves = jax.tree_util.tree_leaves_with_path(batch)
-  if not leaves:
-    raise ValueError("batch must contain at least one array, got an empty tree.")
-  sizes = {}
-  for path, leaf in leaves:
-    if jnp.ndim(leaf) == 0:
+
+  @functools.wraps(loss_fn)
+  def normalized(params, model_state, microbatch, args):
+    if has_state:
+      out = loss_fn(params, model_state, microbatch, *args)
+    else:
+      out = loss_fn(params, microbatch, *args)
+    if not (has_aux or has_state):
+      return out, (None, None)
+    if not isinstance(out, tuple) or len(out) != 2:
       raise ValueError(
-          f"batch{jax.tree_util.keystr(path)} is a scalar; every batch leaf"
-          " needs a leading batch axis to split into micro-batches."
+          "loss_fn must return a pair (loss, aux) with has_aux=True or"
+          f" has_state=True, got {type(out).__name__}."
       )
-    sizes[jax.tree_util.keystr(path)] = jnp.shape(leaf)[0]
-  if len(set(sizes.values())) > 1:
-    raise ValueError(
-        "batch leaves must share a leading batch size, got sizes"
-        f" {sizes}."
-    )
-  batch_size = next(iter(sizes.values()))
-  if batch_size % num_microbatches:
-    raise ValueError(
-        f"The batch size {batch_size} (leading axis of every batch leaf) must"
-        f" be divisible by num_microbatches={num_microbatches}."
-    )
-  size = batch_size // num_microbatches
-  return jax.tree.map(
-      lambda x: jnp.reshape(x, (num_microbatches, size) + jnp.shape(x)[1:]),
-      batch,
+    loss, rest = out
+    if not has_state:
+      return loss, (None, rest)
+    if not has_aux:
+      return loss, (rest, None)
+    if not isinstance(rest, tuple) or len(rest) != 2:
+      raise ValueError(
+          "With has_state=True and has_aux=True, loss_fn must return"
+          f" (loss, (new_model_state, aux)), got (loss, {type(rest).__name__})."
+      )
+    return loss, rest
+
+  return normalized
+
+
+def _token_count(num_tokens_fn, microbatch):
+  if num_tokens_fn is None:
+    return jnp.ones([], jnp.float32)
+  return validation.as_token_count(
+      "num_tokens_fn(microbatch)", num_tokens_fn(microbatch)
   )
+
+
+def _zero_sums(params, opts: _Options) -> _Sums:
+  sums = _Sums(
+      # zeros_like keeps each parameter's sharding (model-parallel axes).
+      grads=jax.tree.map(
+          lambda p: jnp.zeros_like(p, dtype=opts.accumulator_dtype), params
+      ),
+      loss=jnp.zeros([], opts.accumulator_dtype),
+      tokens=jnp.zeros([], jnp.float32),
+  )
+  if opts.axis_name is not None:
+    # The sums are this device's partial sums: they differ by device.
+    sums = axes.device_local(sums, opts.axis_name)
+  return sums
+
+
+def _loop(loss, opts: _Options, params, model_state, batch, args):
+  """The scan over this device's micro-batches: ``(sums, state, aux)``."""
+  microbatches = batching.split_microbatches(batch, opts.num_microbatches)
+  value_and_grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+  def step(carry, microbatch):
+    sums, model_state = carry
+    (value, (model_state, aux)), grads = value_and_grad_fn(
+        params, model_state, microbatch, args
+    )
+    if jnp.ndim(value) != 0:
+      raise ValueError(
+          f"loss_fn must return a scalar loss, got shape {jnp.shape(value)}."
+      )
+    c = token_weighting.contribution(
+        _token_count(opts.num_tokens_fn, microbatch), opts.loss_reduction
+    )
+    sums = _Sums(
+        grads=token_weighting.add(sums.grads, grads, c),
+        loss=sums.loss + token_weighting.weighted(value, c, sums.loss.dtype),
+        tokens=sums.tokens + c.tokens,
+    )
+    return (sums, model_state), aux
+
+  with jax.named_scope("optax_accum_microbatch_loop"):
+    (sums, model_state), aux = lax.scan(
+        step, (_zero_sums(params, opts), model_state), microbatches
+    )
+  return sums, model_state, aux
+
+
+def _means(sums: _Sums, params) -> tuple[jax.Array, Any]:
+  """The loss and gradient: the sums divided by the token count."""
+  grads = token_weighting.mean(sums.grads, sums.tokens, params)
+  loss = token_weighting.mean(sums.loss, sums.tokens, jnp.float32(0))
+  return loss, grads
+
+
+def _single_device(loss, opts, params, model_state, batch, args) -> _Result:
+  sums, model_state, aux = _loop(loss, opts, params, model_state, batch, args)
+  return _Result(*_means(sums, params), model_state, aux)
+
+
+def _data_parallel(loss, opts, params, model_state, batch, args,
+                   param_specs=None):
+  """Inside shard_map or pmap: local sums, then one reduction over the axis.
+
+  Parameters that ``param_specs`` shard over the axis (FSDP) are gathered
+  once, before the loop; their gradients are reduce-scattered back into
+  shards after it.
+  """
+  axis_name = opts.axis_name
+  if param_specs is None:
+    param_specs = jax.tree.map(lambda _: P(), params)
+  full_params = jax.tree.map(sharding.gather, params, param_specs)
+  # Differentiate with respect to this device's copy of the parameters, so
+  # that autodiff does not sum gradients over the axis on every micro-step.
+  local_params = axes.device_local(full_params, axis_name)
+  if model_state is not None:
+    model_state = axes.floats_device_local(model_state, axis_name)
+  sums, model_state, aux = _loop(
+      loss, opts, local_params, model_state, batch, args
+  )
+  grads, (loss_sum, tokens) = sharding.sum_into_shards(
+      sums.grads, param_specs, (sums.loss, sums.tokens), axis_name
+  )
+  if model_state is not None:
+    model_state = partial_sums.mean_of_floats(model_state, axis_name)
+  loss_value, grads = _means(_Sums(grads, loss_sum, tokens), params)
+  return _Result(loss_value, grads, model_state, aux)
+
+
+def _split_call_args(rest, has_state):
+  """``(model_state, batch, args)`` from what follows ``params``."""
+  if has_state:
+    if len(rest) < 2:
+      raise TypeError(
+          "With has_state=True call fn(params, model_state, batch, *args)."
+      )
+    model_state, batch, *args = rest
+    return model_state, batch, tuple(args)
+  if not rest:
+    raise TypeError("Call fn(params, batch, *args).")
+  batch, *args = rest
+  return None, batch, tuple(args)
+
+
+def _pack(result: _Result, has_aux: bool, has_state: bool):
+  """The caller's output, shaped like :func:`jax.value_and_grad`'s."""
+  if has_state and has_aux:
+    value = (result.loss, (result.model_state, result.aux))
+  elif has_state:
+    value = (result.loss, result.model_state)
+  elif has_aux:
+    value = (result.loss, result.aux)
+  else:
+    value = result.loss
+  return value, result.grads
 
 
 def value_and_grad(
@@ -82,8 +235,10 @@ def value_and_grad(
   micro-batches; with ``"sum"`` (``loss_fn`` returns a sum ``S_i``) it is
   :math:`\sum_i S_i / \sum_i n_i`. Without ``num_tokens_fn`` every micro-batch
   counts as one token. Sums are kept in ``accumulator_dtype``; the gradient
-  comes back in the parameters' dtype. A batch with no tokens gives a zero loss
-  and zero gradient, not NaN.
+  comes back in the parameters' dtype. A micro-batch with no tokens adds
+  nothing (its loss and gradient are not looked at), and a batch with no
+  tokens gives a zero loss and zero gradient, not NaN. These are the rules
+  of :func:`optax_accum.accumulate` too.
 
   Model state such as BatchNorm's ``batch_stats`` is threaded through the
   micro-batches with ``has_state=True``: ``loss_fn`` then takes the state after
@@ -147,169 +302,35 @@ def value_and_grad(
     >>> jax.value_and_grad(loss_fn)(jnp.float32(1.0), batch)  # the full batch
     (Array(2., dtype=float32), Array(5.3333335, dtype=float32))
   """
-  num_microbatches = validation.check_positive_int(
-      "num_microbatches", num_microbatches
+  opts = _Options(
+      num_microbatches=validation.check_positive_int(
+          "num_microbatches", num_microbatches
+      ),
+      has_aux=validation.check_bool("has_aux", has_aux),
+      has_state=validation.check_bool("has_state", has_state),
+      num_tokens_fn=validation.check_optional_callable(
+          "num_tokens_fn", num_tokens_fn
+      ),
+      loss_reduction=validation.check_loss_reduction(loss_reduction),
+      axis_name=validation.check_axis_name(axis_name),
+      accumulator_dtype=validation.check_accumulator_dtype(accumulator_dtype),
   )
-  has_aux = validation.check_bool("has_aux", has_aux)
-  has_state = validation.check_bool("has_state", has_state)
-  loss_reduction = validation.check_loss_reduction(loss_reduction)
-  axis_name = validation.check_axis_name(axis_name)
-  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
-  if num_tokens_fn is not None and not callable(num_tokens_fn):
-    raise TypeError(
-        f"num_tokens_fn must be None or callable, got {num_tokens_fn!r}."
-    )
+  loss = _normalize(loss_fn, opts.has_aux, opts.has_state)
 
-  def microbatch_value_and_grad(params, model_state, microbatch, args):
-    """One micro-batch's (loss, new model state, aux) and gradient."""
-
-    def loss_and_rest(p):
-      if has_state:
-        out = loss_fn(p, model_state, microbatch, *args)
-      else:
-        out = loss_fn(p, microbatch, *args)
-      if not (has_aux or has_state):
-        return out, (None, None)
-      if not isinstance(out, tuple) or len(out) != 2:
-        raise ValueError(
-            "loss_fn must return a pair (loss, aux) with has_aux=True or"
-            f" has_state=True, got {type(out).__name__}."
-        )
-      loss, rest = out
-      if has_state and has_aux:
-        if not isinstance(rest, tuple) or len(rest) != 2:
-          raise ValueError(
-              "With has_state=True and has_aux=True, loss_fn must return"
-              " (loss, (new_model_state, aux))."
-          )
-        return loss, rest
-      return loss, (rest, None) if has_state else (None, rest)
-
-    (loss, rest), grads = jax.value_and_grad(loss_and_rest, has_aux=True)(
-        params
-    )
-    if jnp.ndim(loss) != 0:
-      raise ValueError(
-          f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}."
-      )
-    return loss, rest, grads
-
-  def token_weight(microbatch):
-    if num_tokens_fn is None:
-      return jnp.ones([], jnp.float32)
-    return validation.as_token_count(
-        "num_tokens_fn(microbatch)", num_tokens_fn(microbatch)
-    )
-
-  def loop(params, model_state, batch, args):
-    """The scan: this device's sums over its micro-batches."""
-    microbatches = split_microbatches(batch, num_microbatches)
-
-    def step(carry, microbatch):
-      grad_sum, loss_sum, token_sum, model_state = carry
-      loss, (new_model_state, aux), grads = microbatch_value_and_grad(
-          params, model_state, microbatch, args
-      )
-      tokens = token_weight(microbatch)
-      weight = tokens if loss_reduction == "mean" else jnp.float32(1)
-      # A micro-batch without tokens adds nothing, even if its mean is 0/0.
-      keep = tokens != 0
-      grad_sum = jax.tree.map(
-          lambda acc, g: acc
-          + jnp.where(keep, weight.astype(acc.dtype) * g.astype(acc.dtype), 0),
-          grad_sum,
-          grads,
-      )
-      loss_sum = loss_sum + jnp.where(
-          keep, weight.astype(loss_sum.dtype) * loss.astype(loss_sum.dtype), 0
-      )
-      return (grad_sum, loss_sum, token_sum + tokens, new_model_state), aux
-
-    init = (
-        jax.tree.map(
-            lambda p: jnp.zeros_like(p, dtype=accumulator_dtype), params
-        ),
-        jnp.zeros([], accumulator_dtype),
-        jnp.zeros([], jnp.float32),
-    )
-    if axis_name is not None:
-      # The carry holds this device's partial sums: they differ by device.
-      init = distributed.device_local(init, axis_name)
-    (grad_sum, loss_sum, token_sum, model_state), aux = lax.scan(
-        step, init + (model_state,), microbatches
-    )
-    return grad_sum, loss_sum, token_sum, model_state, aux
-
-  def mean_of(grad_sum, loss_sum, token_sum, params):
-    safe_count = jnp.where(token_sum > 0, token_sum, 1.0)
-    grads = jax.tree.map(
-        lambda s, p: (s / safe_count.astype(s.dtype)).astype(jnp.result_type(p)),
-        grad_sum,
-        params,
-    )
-    loss = (loss_sum / safe_count.astype(loss_sum.dtype)).astype(jnp.float32)
-    return loss, grads
-
-  def data_parallel(params, model_state, batch, args, param_specs=None):
-    """Inside shard_map or pmap: local sums, then one reduction over the axis.
-
-    Parameters that ``param_specs`` shard over the axis (FSDP) are gathered
-    once, before the loop; their gradients are reduce-scattered back into
-    shards after it.
-    """
-    if param_specs is None:
-      param_specs = jax.tree.map(lambda _: P(), params)
-    full_params = jax.tree.map(distributed.gather, params, param_specs)
-    # Differentiate with respect to this device's copy of the parameters, so
-    # that autodiff does not sum gradients over the axis on every micro-step.
-    local_params = distributed.device_local(full_params, axis_name)
-    if model_state is not None:
-      model_state = distributed.floats_device_local(model_state, axis_name)
-    grad_sum, loss_sum, token_sum, model_state, aux = loop(
-        local_params, model_state, batch, args
-    )
-    grad_sum, (loss_sum, token_sum) = distributed.sum_into_shards(
-        grad_sum, param_specs, (loss_sum, token_sum), axis_name
-    )
-    if model_state is not None:
-      model_state = distributed.mean_of_floats(model_state, axis_name)
-    loss, grads = mean_of(grad_sum, loss_sum, token_sum, params)
-    return loss, grads, model_state, aux
-
+  @functools.wraps(loss_fn)
   def fn(params, *rest):
-    if has_state:
-      if len(rest) < 2:
-        raise TypeError(
-            "With has_state=True call fn(params, model_state, batch, *args)."
-        )
-      model_state, batch, *args = rest
+    model_state, batch, args = _split_call_args(rest, opts.has_state)
+    if opts.axis_name is None:
+      result = _single_device(loss, opts, params, model_state, batch, args)
+    elif axes.is_bound(opts.axis_name):
+      result = _data_parallel(loss, opts, params, model_state, batch, args)
     else:
-      if not rest:
-        raise TypeError("Call fn(params, batch, *args).")
-      model_state = None
-      batch, *args = rest
-    if axis_name is None:
-      grad_sum, loss_sum, token_sum, model_state, aux = loop(
-          params, model_state, batch, args
-      )
-      loss, grads = mean_of(grad_sum, loss_sum, token_sum, params)
-    elif distributed.is_bound(axis_name):
-      loss, grads, model_state, aux = data_parallel(
-          params, model_state, batch, args
-      )
-    else:
-      loss, grads, model_state, aux = distributed.over_mesh(
-          data_parallel, axis_name, num_microbatches, params, model_state,
-          batch, args,
-      )
-    if has_state and has_aux:
-      return (loss, (model_state, aux)), grads
-    if has_state:
-      return (loss, model_state), grads
-    if has_aux:
-      return (loss, aux), grads
-    return loss, grads
+      result = _Result(*mesh_loop.over_mesh(
+          functools.partial(_data_parallel, loss, opts), opts.axis_name,
+          opts.num_microbatches, params, model_state, batch, args,
+      ))
+    return _pack(result, opts.has_aux, opts.has_state)
 
   return fn

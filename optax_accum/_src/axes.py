@@ -1,0 +1,134 @@
+"""Manual axes: which values differ by device, and making them do so.
+
+Inside :func:`jax.shard_map` every value has a type that says over which
+manual axes it may differ from device to device (it *varies*). A value that
+is the same on every device of an axis is *invariant* over it, and
+:func:`jax.grad` sums the gradient with respect to such a value over the axis:
+a collective on every call. Accumulation keeps each device's gradients local
+until the one reduction per update, so it works with device-local (varying)
+values. This module holds those type-level helpers.
+"""
+
+import math
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+
+AxisName = str | tuple[str, ...]
+
+
+def axes_of(axis_name: AxisName) -> tuple[str, ...]:
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """The manual axes over which ``x`` (or a ShapeDtypeStruct) may vary."""
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  vma = getattr(aval, "vma", None)  # jax < 0.9.
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+  return frozenset(vma)
+
+
+def is_bound(axis_name: AxisName) -> bool:
+  """Whether ``axis_name`` names manual axes: inside shard_map or pmap."""
+  try:
+    for axis in axes_of(axis_name):
+      lax.axis_size(axis)
+  except NameError:
+    return False
+  return True
+
+
+def check_bound(axis_name: AxisName) -> None:
+  """Raises unless ``axis_name`` is a manual axis here (accumulate's case)."""
+  if not is_bound(axis_name):
+    raise ValueError(
+        f"axis_name={axis_name!r} is not bound here: optax_accum.accumulate"
+        " sums device-local gradients over it, so call tx.update inside"
+        " jax.shard_map or jax.pmap over that axis. Under plain jax.jit the"
+        " gradients are already global: use axis_name=None, or"
+        " optax_accum.value_and_grad(..., axis_name=...) for one reduction"
+        " per step."
+    )
+
+
+def mesh_axis_size(axis_name: AxisName) -> int | None:
+  """The size of ``axis_name`` in the current mesh, if all its axes are there.
+
+  Manual axes (inside :func:`jax.shard_map`) do not count: there each device
+  holds one slot.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  sizes = dict(mesh.shape)
+  manual = set(getattr(mesh, "manual_axes", ()))
+  axes = axes_of(axis_name)
+  if any(a not in sizes or a in manual for a in axes):
+    return None
+  return math.prod(sizes[a] for a in axes)
+
+
+def all_explicit(axis_name: AxisName) -> bool:
+  """Whether every axis of ``axis_name`` is Explicit in the current mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  return all(types.get(a) == AxisType.Explicit for a in axes_of(axis_name))
+
+
+def device_local(tree: Any, axis_name: AxisName) -> Any:
+  """Marks every leaf as device-local (varying) over ``axis_name``.
+
+  Inside :func:`jax.shard_map`, a value that is the same on every device of an
+  axis (such as replicated parameters, ``in_specs=P()``) is *invariant* over
+  it, and :func:`jax.grad` sums the gradient with respect to it over the axis,
+  a collective on every call. The gradient with respect to a device-local copy
+  stays on the device: no communication until you sum it yourself, e.g. with
+  :func:`optax_accum.accumulate` ``(..., axis_name=...)`` once per update. The
+  copy is free; leaves that are already varying are returned as they are.
+  Under :func:`jax.pmap`, where gradients are always local, this does nothing.
+
+  Args:
+    tree: a pytree of arrays, typically the parameters.
+    axis_name: the data-parallel axis (or axes) of the enclosing shard_map.
+
+  Returns:
+    ``tree`` with every leaf varying over ``axis_name``.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import optax_accum as oa
+    >>> mesh = jax.make_mesh((1,), ('data',),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> def local_grad(w, x):  # no all-reduce: each device's own gradient
+    ...   loss = lambda w: jnp.sum(w * x)
+    ...   return jax.grad(loss)(oa.device_local(w, 'data'))
+    >>> f = jax.shard_map(local_grad, mesh=mesh, in_specs=(P(), P('data')),
+    ...                   out_specs=P('data'))
+    >>> f(jnp.ones(2), jnp.array([1.0, 2.0]))
+    Array([1., 2.], dtype=float32)
+  """
+  axes = axes_of(axis_name)
+
+  def cast(x):
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)
+
+
+def is_floating(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def floats_device_local(tree: Any, axis_name: AxisName) -> Any:
+  """Marks the floating leaves of ``tree`` as device-local over the axis."""
+  return jax.tree.map(
+      lambda x: device_local(x, axis_name) if is_floating(x) else x, tree
+  )

@@ -1,0 +1,77 @@
+"""Per-device partial sums: kept apart through a cycle, summed once.
+
+Gradient accumulation over ``n`` devices should communicate once per optimizer
+update. Each device keeps the sum of its own micro-batches' gradients (its
+*partial sum*), and the partial sums are added over the data-parallel axis
+once, when the update is made. In :func:`optax_accum.accumulate`'s state a
+partial sum sits behind a leading *slot* axis: one slot per device, so that a
+shard_map whose specs lay the slots out over the axis keeps every device's
+partial sum (a replicated spec would keep one and drop the others).
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._src import axes
+from optax_accum._src import sharding
+
+
+def partial_zeros(shape: Sequence[int], dtype: Any, axis_name: axes.AxisName):
+  """Zeros for per-device partial sums: ``shape`` behind a leading slot axis.
+
+  Inside shard_map or pmap each device has one slot. Under a mesh
+  (:func:`jax.set_mesh`) with ``axis_name`` the slot axis has one slot per
+  device and is sharded over it, ready for the ``in_specs`` that
+  :func:`optax_accum.state_partition_specs` gives. With neither, one slot:
+  replicate it for pmap.
+  """
+  shape = tuple(shape)
+  slots = None if axes.is_bound(axis_name) else axes.mesh_axis_size(axis_name)
+  if slots is None:
+    return jnp.zeros((1,) + shape, dtype)
+  spec = P(axis_name)
+  if axes.all_explicit(axis_name):
+    return jnp.zeros((slots,) + shape, dtype, out_sharding=spec)
+  return lax.with_sharding_constraint(jnp.zeros((slots,) + shape, dtype), spec)
+
+
+def sum_partials(tree: Any, axis_name: axes.AxisName) -> Any:
+  """Sums per-device partial sums (with a leading slot axis) over an axis."""
+  axes.check_bound(axis_name)
+  return lax.psum(
+      jax.tree.map(lambda x: x.reshape(x.shape[1:]), tree), axis_name
+  )
+
+
+def like_summed(tree: Any, axis_name: axes.AxisName | None) -> Any:
+  """``tree`` summed over the axis: for shapes (eval_shape) only."""
+  if axis_name is None:
+    return tree
+  axes.check_bound(axis_name)
+  return lax.psum(tree, axis_name)
+
+
+def zeros_like_partials(tree: Any) -> Any:
+  """Zeros typed like ``tree``: same sharding, varying over the same axes.
+
+  The two branches of a ``lax.cond`` must agree on both.
+  """
+
+  def zeros_like(x):
+    zeros = jnp.zeros(x.shape, x.dtype, out_sharding=sharding.explicit_spec(x))
+    vma = tuple(sorted(axes.varying_axes(x)))
+    return lax.pcast(zeros, vma, to="varying") if vma else zeros
+
+  return jax.tree.map(zeros_like, tree)
+
+
+def mean_of_floats(tree: Any, axis_name: axes.AxisName) -> Any:
+  """Averages the floating leaves of ``tree`` over the axis (model state)."""
+  return jax.tree.map(
+      lambda x: lax.pmean(x, axis_name) if axes.is_floating(x) else x, tree
+  )

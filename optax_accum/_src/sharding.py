@@ -1,0 +1,137 @@
+"""Sharding surgery: reading specs off types, gathering and scattering shards.
+
+Under :func:`jax.jit` with Explicit mesh axes an array's type carries its
+sharding. The micro-batch loop reads it to learn which parameters are sharded
+over the data axis (FSDP), gathers them whole before the loop and scatters
+their gradients back into shards after it.
+"""
+
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._src import axes
+
+
+def explicit_spec(x: Any) -> P | None:
+  """The spec of ``x``'s type if it is sharded over Explicit mesh axes."""
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  sharding = getattr(aval, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None:
+    return None
+  names = [n for e in spec if e is not None for n in axes.axes_of(e)]
+  mesh = sharding.mesh
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if names and all(types.get(n) == AxisType.Explicit for n in names):
+    return spec
+  return None
+
+
+def _entry(names: tuple[str, ...]) -> Any:
+  """A spec entry for ``names``: None, one name, or a tuple of names."""
+  return None if not names else names[0] if len(names) == 1 else names
+
+
+def spec_over(x: Any, axis_name: axes.AxisName) -> P:
+  """The part of ``x``'s sharding that is over ``axis_name``, as a spec.
+
+  Only explicitly sharded arrays (``AxisType.Explicit`` meshes) carry their
+  sharding in their type; other arrays give ``P()``.
+  """
+  wanted = set(axes.axes_of(axis_name))
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None:
+    return P()
+  entries = []
+  for entry in spec:
+    names = entry if isinstance(entry, tuple) else (entry,)
+    entries.append(
+        _entry(tuple(n for n in names if isinstance(n, str) and n in wanted))
+    )
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)
+
+
+def sharded_dims(spec: P) -> list[tuple[int, tuple[str, ...]]]:
+  """``(dimension, its mesh axes)`` for every sharded dimension of ``spec``."""
+  return [(d, axes.axes_of(e)) for d, e in enumerate(spec) if e is not None]
+
+
+def gather(x: Any, spec: P) -> Any:
+  """The whole array from this device's shard of it, laid out by ``spec``."""
+  for dim, dim_axes in sharded_dims(spec):
+    x = lax.all_gather(x, _entry(dim_axes), axis=dim, tiled=True)
+  return x
+
+
+def _scatter(leaf: Any, spec: P) -> tuple[Any, set[str]]:
+  """Reduce-scatters ``leaf`` into its shard; returns it and the axes used."""
+  used = set()
+  for dim, dim_axes in sharded_dims(spec):
+    leaf = lax.psum_scatter(
+        leaf, _entry(dim_axes), scatter_dimension=dim, tiled=True
+    )
+    used.update(dim_axes)
+  return leaf, used
+
+
+def sum_into_shards(
+    tree: Any, specs: Any, extra: Any, axis_name: axes.AxisName
+) -> tuple[Any, Any]:
+  """Sums ``tree`` over ``axis_name``, each leaf into its shard by ``specs``.
+
+  A leaf whose spec shards it over the axis is reduce-scattered (each device
+  keeps the sum of its own shard); the others, and ``extra``, are all-reduced
+  together, in one collective.
+
+  Returns:
+    ``(summed tree, summed extra)``.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  spec_leaves = treedef.flatten_up_to(specs)
+  to_psum = []
+  out = [None] * len(leaves)
+  for i, (leaf, spec) in enumerate(zip(leaves, spec_leaves)):
+    leaf, used = _scatter(leaf, spec)
+    if not used:
+      to_psum.append(i)
+      continue
+    rest = tuple(a for a in axes.axes_of(axis_name) if a not in used)
+    out[i] = lax.psum(leaf, rest) if rest else leaf
+  summed, extra = lax.psum(([leaves[i] for i in to_psum], extra), axis_name)
+  for i, leaf in zip(to_psum, summed):
+    out[i] = leaf
+  return treedef.unflatten(out), extra
+
+
+def without_axes(x: Any, axis_name: axes.AxisName, leading: bool) -> Any:
+  """Reshards an explicitly sharded ``x`` to ``P(axis_name)`` or replicated.
+
+  With ``leading``, its leading axis is split over ``axis_name`` (a batch);
+  otherwise it is replicated over ``axis_name``. Other axes keep their
+  sharding.
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or jnp.ndim(x) == 0 and not leading:
+    return x
+  dropped = set(axes.axes_of(axis_name))
+  entries = list(spec) + [None] * (jnp.ndim(x) - len(spec))
+  kept = [
+      _entry(tuple(n for n in axes.axes_of(e) if n is not None
+                   and n not in dropped))
+      for e in entries
+  ]
+  if leading:
+    kept[0] = axis_name
+  target = P(*kept)
+  if tuple(target) == tuple(entries):
+    return x
+  return jax.sharding.reshard(x, target)

@@ -1,0 +1,109 @@
+r"""Token weighting: the one rule both entry points follow.
+
+A micro-batch ``i`` brings a gradient ``g_i`` and a token count ``n_i``. With
+``loss_reduction="mean"`` its loss was a mean over its ``n_i`` tokens, so it
+adds ``n_i g_i`` to the running sum; with ``"sum"`` its loss was a sum and it
+adds ``g_i``. Either way it adds ``n_i`` to the running token count, and the
+result is the sum divided by the count: the full batch's per-token mean,
+
+.. math::
+  \bar g = \frac{\sum_i n_i \, g_i}{\sum_i n_i}
+  \quad\text{or}\quad \frac{\sum_i g_i}{\sum_i n_i}.
+
+What is kept:
+
+* a micro-batch with ``n_i = 0`` adds nothing, neither for ``"mean"`` (its
+  mean over no tokens is often 0/0 = NaN) nor for ``"sum"`` (its padded
+  inputs may be NaN): its gradient is not looked at;
+* a *dropped* micro-batch (a non-finite gradient under ``skip_nonfinite``, a
+  user's ``should_skip``) adds nothing either, tokens included;
+* a token count that is NaN, infinite or negative is never used as a weight:
+  dropped when the caller drops bad micro-batches, otherwise it turns the
+  running count into NaN, so that the mean comes out visibly non-finite
+  rather than finite and wrong.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Contribution(NamedTuple):
+  """What one micro-batch adds to the running sums."""
+
+  weight: jax.Array  # shape=(), float32: multiplies the gradient and loss.
+  tokens: jax.Array  # shape=(), float32: added to the token count.
+  keep: jax.Array  # shape=(), bool: whether the weighted gradient is added.
+  dropped: jax.Array  # shape=(), bool: dropped as bad (and counted).
+
+
+def is_bad_count(tokens: jax.Array) -> jax.Array:
+  """Whether a token count is NaN, infinite or negative."""
+  return ~jnp.isfinite(tokens) | (tokens < 0)
+
+
+def contribution(
+    tokens: jax.Array,
+    loss_reduction: str,
+    drop: jax.Array | bool = False,
+) -> Contribution:
+  """The contribution of a micro-batch with ``tokens`` tokens.
+
+  Args:
+    tokens: the micro-batch's token count, a float32 scalar.
+    loss_reduction: ``"mean"`` or ``"sum"``, how its loss was reduced.
+    drop: whether the caller drops this micro-batch (a non-finite gradient
+      or count under ``skip_nonfinite``, a ``should_skip`` predicate).
+
+  Returns:
+    A :class:`Contribution`.
+  """
+  bad = is_bad_count(tokens)
+  dropped = jnp.asarray(drop, jnp.bool_)
+  weight = tokens if loss_reduction == "mean" else jnp.ones([], jnp.float32)
+  keep = ~dropped & ~bad & (tokens != 0)
+  # A bad count that is not dropped poisons the running count: NaN, visibly.
+  counted = jnp.where(bad, jnp.float32(jnp.nan), tokens)
+  return Contribution(
+      weight=weight,
+      tokens=jnp.where(dropped, jnp.zeros([], jnp.float32), counted),
+      keep=keep,
+      dropped=dropped,
+  )
+
+
+def weighted(x: jax.Array, c: Contribution, dtype: Any) -> jax.Array:
+  """``weight * x`` in ``dtype``, or exact zeros if not kept (NaN-proof)."""
+  term = c.weight.astype(dtype) * jnp.asarray(x).astype(dtype)
+  return jnp.where(c.keep, term, jnp.zeros([], dtype))
+
+
+def add(total: Any, grads: Any, c: Contribution) -> Any:
+  """Adds a micro-batch's weighted gradient to a running sum, leaf by leaf.
+
+  Each gradient leaf is reshaped to its sum's shape, so a sum may carry
+  leading axes of size one (a device's slot).
+  """
+  return jax.tree.map(
+      lambda s, g: s + weighted(g, c, s.dtype).reshape(s.shape), total, grads
+  )
+
+
+def has_tokens(token_count: jax.Array) -> jax.Array:
+  """Whether a cycle's count makes a mean: non-zero, NaN included."""
+  return token_count != 0
+
+
+def mean(total: Any, token_count: jax.Array, like: Any) -> Any:
+  """The running sum divided by the count, cast leaf by leaf like ``like``.
+
+  A count of zero gives zeros (no 0/0); a NaN count gives NaN.
+  """
+  safe_count = jnp.where(token_count == 0, jnp.ones_like(token_count),
+                         token_count)
+  return jax.tree.map(
+      lambda s, x: (s / safe_count.astype(s.dtype)).astype(jnp.result_type(x)),
+      total,
+      like,
+  )

@@ -1,0 +1,87 @@
+"""Both entry points follow one token-weighting rule, on the same hard data.
+
+The data: four micro-batches of uneven token counts, one with no tokens at
+all whose padded inputs are NaN (so its loss and gradient are NaN, for both
+reductions). The full batch without that micro-batch is the reference.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import helpers
+import optax_accum as oa
+
+K, ROWS, SEQ, DIM = 4, 2, 5, 3
+LENGTHS = [5, 1, 0, 0, 2, 4, 3, 0]  # micro-batch 1 has no tokens.
+
+
+def _data():
+  batch = helpers.padded_batch(np.random.default_rng(0), LENGTHS, SEQ, DIM)
+  # Padded positions of the empty micro-batch hold NaN, as garbage padding can.
+  batch["x"][2:4] = np.nan
+  return jax.tree.map(jnp.asarray, batch)
+
+
+def _loss(loss_reduction):
+  def loss_fn(params, batch):
+    token_losses = helpers.linear_token_losses(params, batch)  # NaN * 0 = NaN
+    if loss_reduction == "sum":
+      return token_losses.sum()
+    return helpers.raw_mean(token_losses, batch)
+
+  return loss_fn
+
+
+def _reference(loss_reduction):
+  """The full batch's per-token mean gradient, without the empty rows."""
+  batch = jax.tree.map(lambda x: np.delete(np.asarray(x), [2, 3], 0), _data())
+  sum_grads = jax.grad(lambda p: helpers.linear_token_losses(p, batch).sum())(
+      helpers.linear_params(DIM)
+  )
+  del loss_reduction  # the same objective, whatever each micro-batch returns.
+  return jax.tree.map(lambda g: g / float(sum(LENGTHS)), sum_grads)
+
+
+def _value_and_grad(loss_reduction, skip_nonfinite):
+  del skip_nonfinite  # value_and_grad has no such option: it must not need it.
+  fn = oa.value_and_grad(_loss(loss_reduction), num_microbatches=K,
+                         num_tokens_fn=helpers.num_tokens,
+                         loss_reduction=loss_reduction)
+  return jax.jit(fn)(helpers.linear_params(DIM), _data())[1]
+
+
+def _accumulate(loss_reduction, skip_nonfinite):
+  params = helpers.linear_params(DIM)
+  tx = oa.accumulate(optax.sgd(-1.0), every_k=K, loss_reduction=loss_reduction,
+                     skip_nonfinite=skip_nonfinite)
+  state = tx.init(params)
+  step = jax.jit(lambda g, s, n: tx.update(g, s, params, num_tokens=n))
+  for mb in helpers.split(_data(), K):
+    grads = jax.grad(_loss(loss_reduction))(params, mb)
+    updates, state = step(grads, state, helpers.num_tokens(mb))
+  assert bool(oa.has_updated(state))
+  return updates  # sgd(-1) hands back the mean gradient itself.
+
+
+@pytest.mark.parametrize("entry_point", [_value_and_grad, _accumulate],
+                         ids=["value_and_grad", "accumulate"])
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_entry_points_agree_on_zero_token_nan_micro_batches(
+    entry_point, loss_reduction, skip_nonfinite):
+  grads = entry_point(loss_reduction, skip_nonfinite)
+  for leaf in jax.tree.leaves(grads):
+    assert np.all(np.isfinite(leaf)), grads
+  helpers.assert_trees_close(grads, _reference(loss_reduction), rtol=1e-5,
+                             atol=1e-7)
+
+
+def test_the_empty_micro_batch_is_really_nan():
+  """Negative control: without the rule, the NaN would reach the sum."""
+  empty = helpers.split(_data(), K)[1]
+  for loss_reduction in ("mean", "sum"):
+    grads = jax.grad(_loss(loss_reduction))(helpers.linear_params(DIM), empty)
+    assert not np.all(np.isfinite(grads["w"]))
