@@ -3,9 +3,11 @@
 Plain JAX, float32, deterministic initialisation. Each ``make_*`` returns
 ``(params, batch, loss_fn)`` with ``loss_fn(params, batch) -> scalar``, the
 mean loss over the batch's leading axis, so that the mean of equal-size
-micro-batch losses is the full-batch loss.
+micro-batch losses is the full-batch loss. ``build_model(spec)`` makes one
+from a configuration such as ``{"kind": "mlp", "batch_size": 8, ...}``.
 """
 
+import itertools
 import math
 
 import jax
@@ -17,7 +19,7 @@ def make_mlp(batch_size, d_in, width, depth, d_out, seed=0):
   keys = jax.random.split(jax.random.key(seed), depth + 3)
   dims = [d_in] + [width] * (depth - 1) + [d_out]
   params = []
-  for i, (m, n) in enumerate(zip(dims[:-1], dims[1:])):
+  for i, (m, n) in enumerate(itertools.pairwise(dims)):
     w = jax.random.normal(keys[i], (m, n), jnp.float32) / math.sqrt(m)
     params.append({"w": w, "b": jnp.zeros((n,), jnp.float32)})
   batch = {
@@ -44,7 +46,7 @@ def _layer_norm(x, scale):
 
 def make_transformer(batch_size, seq_len, d_model, num_heads, num_layers,
                      vocab_size, seed=0):
-  """A pre-LayerNorm causal transformer (attention + MLP blocks), next-token CE."""
+  """A pre-LayerNorm causal transformer (attention and MLP), next-token CE."""
   keys = iter(jax.random.split(jax.random.key(seed), 4 * num_layers + 4))
 
   def dense(m, n):
@@ -95,3 +97,15 @@ def make_transformer(batch_size, seq_len, d_model, num_heads, num_layers,
     return jnp.mean(nll)
 
   return params, batch, loss_fn
+
+
+def build_model(spec):
+  """``make_mlp`` or ``make_transformer`` of a spec's ``kind`` and sizes."""
+  kwargs = {key: val for key, val in spec.items() if key != "kind"}
+  if spec["kind"] == "mlp":
+    return make_mlp(**kwargs)
+  return make_transformer(**kwargs)
+
+
+def batch_size_of(batch):
+  return jax.tree.leaves(batch)[0].shape[0]

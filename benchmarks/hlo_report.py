@@ -1,11 +1,13 @@
 """Counts copies, selects, fusions and conditionals in compiled HLO.
 
 XLA's CPU backend may insert ``copy`` instructions into a ``lax.cond`` for
-buffers that a branch passes through unchanged. This script compiles the
-train step ``u, s = tx.update(g, s, p); p = optax.apply_updates(p, u)`` (with
-``p`` and ``s`` donated) for ``oa.accumulate(adamw)`` and for
-``optax.MultiSteps(adamw)``, and prints, per computation, the copies and how
-many bytes they move, naming the branches of each conditional.
+buffers that a branch passes through unchanged. This script compiles the very
+programs that the benchmarks time (``train_steps.py``): the train step
+``u, s = tx.update(g, s, p); p = optax.apply_updates(p, u)`` with ``p`` and
+``s`` donated, and ``tx.update`` alone with ``g`` and ``s`` donated, for
+``oa.accumulate(adamw)`` and for ``optax.MultiSteps(adamw)``, and prints, per
+computation, the copies and how many bytes they move, naming the branches of
+each conditional. Benchmarks b and e import ``hlo_stats`` from here.
 
 Usage::
 
@@ -16,12 +18,11 @@ import argparse
 import collections
 import os
 import re
-import sys
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
+
+import bench_cycle
+import train_steps
 
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -65,17 +66,8 @@ def _called(line, key):
   return [m.group(1)] if m else []
 
 
-def hlo_stats(text):
-  """Whole-program counts, and copies per (non-fused) computation.
-
-  Returns a dict with ``copy`` (top-level ``copy(`` instructions, i.e. real
-  buffer copies, not copies fused into a loop), ``copy_bytes``,
-  ``copy_start``, ``select`` (anywhere, fused or not), ``fusion``,
-  ``conditional``, ``while`` and ``per_computation``: for each computation with
-  a copy, its role (``entry``, ``cond<i>.branch<j>`` where branch 0 is a
-  ``lax.cond``'s false branch, ``while.body``...) with copies and bytes.
-  """
-  comps, entry = parse_computations(text)
+def fused_and_roles(comps, entry):
+  """The fused computations, and the role of each called computation."""
   fused, roles = set(), {entry: "entry"}
   n_cond = 0
   for name, lines in comps.items():
@@ -98,6 +90,21 @@ def hlo_stats(text):
         for key in ("body", "condition"):
           for b in _called(line, key):
             roles[b] = f"while.{key} (in {roles.get(name, name)})"
+  return fused, roles
+
+
+def hlo_stats(text):
+  """Whole-program counts, and copies per (non-fused) computation.
+
+  Returns a dict with ``copy`` (top-level ``copy(`` instructions, i.e. real
+  buffer copies, not copies fused into a loop), ``copy_bytes``,
+  ``copy_start``, ``select`` (anywhere, fused or not), ``fusion``,
+  ``conditional``, ``while`` and ``per_computation``: for each computation with
+  a copy, its role (``entry``, ``cond<i>.branch<j>`` where branch 0 is a
+  ``lax.cond``'s false branch, ``while.body``...) with copies and bytes.
+  """
+  comps, entry = parse_computations(text)
+  fused, roles = fused_and_roles(comps, entry)
   stats = collections.Counter()
   per_comp = {}
   for name, lines in comps.items():
@@ -142,75 +149,48 @@ def format_stats(label, stats):
   return "\n".join(lines)
 
 
-def train_step(tx):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-  return step
+def compiled_steps(leaves, size, k):
+  """``(candidate, kind) -> compiled program``: the programs benchmarks time.
 
-
-def compile_train_step(tx, params, grads):
-  state = tx.init(params)
-  return jax.jit(train_step(tx), donate_argnums=(0, 1)).lower(
-      params, state, grads).compile()
-
-
-def update_only(tx):
-  # Returns the state first: JAX pairs donated inputs with outputs of the same
-  # shape in output order, so returning the updates first would alias them to
-  # the state's buffers and make XLA copy every state buffer.
-  def update(grads, state, params):
-    updates, state = tx.update(grads, state, params)
-    return state, updates
-  return update
-
-
-def compile_update(tx, params, grads):
-  state = tx.init(params)
-  return jax.jit(update_only(tx), donate_argnums=(1,)).lower(
-      grads, state, params).compile()
+  The train step of benchmarks a and e and the update alone of benchmark b,
+  built by ``train_steps``: same donation, same outputs, same order.
+  """
+  params, grads = train_steps.param_tree(leaves, size)
+  out = {}
+  for name, tx in bench_cycle.transformations(
+      bench_cycle.inner_optimizer("adamw"), k).items():
+    out[name, "train step"] = train_steps.Trainer(tx, params, grads).compiled
+    out[name, "update only"] = train_steps.UpdateOnly(
+        tx, params, grads).compiled
+  return out
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--leaves", type=int, default=10)
-  parser.add_argument("--size", type=int, default=1024)
-  parser.add_argument("--k", type=int, default=8)
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--leaves", type=int, default=10,
+                      help="number of square float32 parameters")
+  parser.add_argument("--size", type=int, default=1024,
+                      help="side of each parameter")
+  parser.add_argument("--k", type=int, default=8,
+                      help="micro-steps per optimizer update")
   parser.add_argument("--dump", default=None,
                       help="directory to write the compiled HLO text to")
-  parser.add_argument("--proto", action="store_true",
-                      help="also report the variants in benchmarks/_proto.py")
   args = parser.parse_args(argv)
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  import optax_accum as oa  # pylint: disable=import-outside-toplevel
-
-  params = {f"w{i}": jnp.full((args.size, args.size), 0.01, jnp.float32)
-            for i in range(args.leaves)}
-  grads = jax.tree.map(lambda p: p * 0.1, params)
-  inner = optax.adamw(1e-3)
-  txs = {
-      "oa.accumulate": oa.accumulate(inner, args.k),
-      "optax.MultiSteps": optax.MultiSteps(inner, args.k),
-  }
-  if args.proto:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _proto  # pylint: disable=import-outside-toplevel
-    for variant in _proto.VARIANTS:
-      txs[f"proto:{variant}"] = _proto.accumulate(inner, args.k, variant=variant)
   print(f"params: {args.leaves} leaves of {args.size}x{args.size} float32, "
         f"inner=adamw, k={args.k}; branch0 of a lax.cond is its false branch\n")
-  for name, tx in txs.items():
-    for kind, compile_fn in (("train step", compile_train_step),
-                             ("update only", compile_update)):
-      compiled = compile_fn(tx, params, grads)
-      text = compiled.as_text()
-      print(format_stats(f"{name} [{kind}]", hlo_stats(text)))
-      if args.dump:
-        os.makedirs(args.dump, exist_ok=True)
-        fname = re.sub(r"\W+", "_", f"{name}_{kind}") + ".hlo.txt"
-        with open(os.path.join(args.dump, fname), "w") as f:
-          f.write(text)
-    print()
+  for (name, kind), compiled in compiled_steps(
+      args.leaves, args.size, args.k).items():
+    text = compiled.as_text()
+    print(format_stats(f"{name} [{kind}]", hlo_stats(text)))
+    if args.dump:
+      os.makedirs(args.dump, exist_ok=True)
+      fname = re.sub(r"\W+", "_", f"{name}_{kind}") + ".hlo.txt"
+      with open(os.path.join(args.dump, fname), "w") as f:
+        f.write(text)
+    if kind == "update only":
+      print()
 
 
 if __name__ == "__main__":

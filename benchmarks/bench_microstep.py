@@ -1,0 +1,143 @@
+"""b. One non-emitting micro-step of ``oa.accumulate`` vs the floor.
+
+The floor is a jitted, donated ``tree_map(add)`` of the gradient into an
+accumulator. Checked: a non-emitting micro-step changes no parameter and
+returns zero updates, and the train steps accumulate what the floor does.
+"""
+
+import optax
+
+import harness
+import hlo_report
+import optax_accum as oa
+import report
+import train_steps
+
+KEY = "b"
+TITLE = "Non-emitting micro-step"
+CONFIGS = {
+    "full": {"leaves": 10, "size": 1024, "reps": 40, "calls_per_rep": 4},
+    "quick": {"leaves": 10, "size": 512, "reps": 15, "calls_per_rep": 4},
+    "toy": {"leaves": 2, "size": 32, "reps": 1, "calls_per_rep": 2},
+}
+TARGET = 1.5  # At most this many times the floor's median.
+FLOOR = "floor tree_map(add)"
+DESCRIPTION = (
+    "`update only`: jitted `tx.update` with the state and the gradients "
+    "donated (the zero updates reuse the gradients' buffer; reads 2N, writes "
+    "2N bytes at best); `train step`: `tx.update` + `optax.apply_updates`, "
+    "params and state donated (adds a read-N write-N pass over the params, "
+    "and XLA materialises the zero updates as a temporary); floor: jitted "
+    "`tree_map(add)` with the accumulator donated (reads 2N, writes N bytes).")
+
+
+def runners(params, grads):
+  inner = optax.adamw(1e-3, weight_decay=1e-4)
+  tx = oa.accumulate(inner, train_steps.NEVER)
+  return {
+      FLOOR: train_steps.Floor(params, grads),
+      "oa.accumulate update only": train_steps.UpdateOnly(tx, params, grads),
+      "oa.accumulate train step": train_steps.Trainer(tx, params, grads),
+      "optax.MultiSteps train step": train_steps.Trainer(
+          optax.MultiSteps(inner, train_steps.NEVER), params, grads),
+  }
+
+
+def mean_gradient(runner):
+  """The mean of the gradients a runner has accumulated so far."""
+  if isinstance(runner, train_steps.Floor):
+    return [a / runner.calls for a in runner.acc.values()]
+  state = runner.state
+  if isinstance(state, oa.AccumulateState):
+    return [s / state.token_count for s in state.grad_sum.values()]
+  return list(state.acc_grads.values())  # optax.MultiStepsState: a mean.
+
+
+def correctness(runner, params, floor_mean):
+  """Largest change a non-emitting step made, and its drift from the floor."""
+  if isinstance(runner, train_steps.Floor):
+    return {}
+  if isinstance(runner, train_steps.UpdateOnly):
+    # It feeds its zero updates back as the next gradients, so only the
+    # updates are comparable: they must be zero.
+    return {"max_abs_update": harness.max_abs(runner.grads)}
+  return {"max_abs_update": harness.max_abs_diff(runner.params, params),
+          "mean_grad_rel_diff_vs_floor": harness.max_abs_diff(
+              mean_gradient(runner), floor_mean) / harness.max_abs(floor_mean)}
+
+
+def measure(runner, n):
+  """Compile-time figures and page faults of one runner."""
+  return {
+      "hlo": {key: val for key, val in hlo_report.hlo_stats(
+          runner.compiled.as_text()).items() if key != "per_computation"},
+      "compiled": harness.memory(runner.compiled),
+      "page_faults_per_call": harness.page_faults_per_call(runner, 2 * n),
+  }
+
+
+def run(cfg):
+  params, grads = train_steps.param_tree(cfg["leaves"], cfg["size"])
+  timed = runners(params, grads)
+  n = cfg["calls_per_rep"]
+  times = harness.interleaved(
+      {name: (lambda r=r: r.steps(n)) for name, r in timed.items()},
+      reps=cfg["reps"])
+  summaries = harness.summarize_times(times, per=n)
+  out = {"leaves": cfg["leaves"], "shape": [cfg["size"], cfg["size"]],
+         "param_bytes": harness.tree_bytes(params), "calls_per_rep": n,
+         "candidates": {}}
+  for name, r in timed.items():
+    out["candidates"][name] = {**summaries[name], **measure(r, n)}
+  floor_mean = mean_gradient(timed[FLOOR])
+  for name, r in timed.items():
+    out["candidates"][name].update(correctness(r, params, floor_mean))
+  return out
+
+
+def checks(result):
+  out = []
+  for name, c in result["candidates"].items():
+    if "max_abs_update" in c:
+      out.append(harness.Check(f"{name}: max abs update (never emits)",
+                               c["max_abs_update"], 0.0))
+    if "mean_grad_rel_diff_vs_floor" in c:
+      out.append(harness.Check(
+          f"{name}: accumulated mean gradient vs the floor's (relative)",
+          c["mean_grad_rel_diff_vs_floor"], 1e-5))
+  return out
+
+
+def summary_rows(result):
+  c = result["candidates"]
+  floor = c[FLOOR]["median_s"]
+  rows = []
+  for kind, label in (("update only", "tx.update alone"),
+                      ("train step", "tx.update + apply_updates")):
+    ours = c[f"oa.accumulate {kind}"]["median_s"]
+    rows.append(report.Row(
+        f"b. non-emitting micro-step ({label}) / floor jit(tree_map(add), "
+        "donated)", report.ms(ours), report.ms(floor), f"{ours / floor:.2f}x",
+        f"<= {TARGET}x", ours / floor <= TARGET))
+  return rows
+
+
+def markdown(result):
+  fl = result["candidates"][FLOOR]
+  lines = [f"{result['leaves']} x {'x'.join(map(str, result['shape']))} f32, "
+           "adamw inner, never emits.", "", DESCRIPTION, "",
+           "| candidate | wall per call | / floor | CPU per call | / floor |"
+           " page faults per call | temp | HLO copies (MiB) | fusions |"
+           " conditionals |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for name, c in result["candidates"].items():
+    h = c["hlo"]
+    lines.append(
+        f"| {name} | {report.ms(c['median_s'])} | "
+        f"{c['median_s'] / fl['median_s']:.2f}x | "
+        f"{report.ms(c['cpu_median_s'])} | "
+        f"{c['cpu_median_s'] / fl['cpu_median_s']:.2f}x | "
+        f"{c['page_faults_per_call']:.0f} | "
+        f"{report.mib(c['compiled']['temp_bytes'])} | {h['copy']} "
+        f"({h['copy_bytes'] / harness.MiB:.0f}) | {h['fusion']} | "
+        f"{h['conditional']} |")
+  return lines

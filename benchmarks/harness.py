@@ -1,0 +1,167 @@
+"""The timing harness shared by every benchmark.
+
+The method (benchmarks/README.md, "Method"): every candidate is compiled ahead
+of time and run before timing; repetitions are interleaved, repetition ``r``
+running the candidates in a rotated order so that each runs as often first as
+last; each call blocks until its results are ready; we report medians and
+p25-p75 of wall-clock time and the median of process CPU time. Memory is what
+XLA's ``compiled.memory_analysis()`` says the program allocates.
+"""
+
+import os
+import platform
+import resource
+import statistics
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_accum as oa
+
+MiB = 2**20
+
+
+class Times(dict):
+  """name -> wall-clock seconds per repetition; ``.cpu``: CPU seconds."""
+
+  def __init__(self, names):
+    super().__init__({name: [] for name in names})
+    self.cpu = {name: [] for name in names}
+
+
+def interleaved(candidates, reps, warmup=1):
+  """Times zero-argument callables, interleaved; returns a :class:`Times`.
+
+  Each callable runs one repetition and blocks until its results are ready.
+  Repetition r runs the candidates in order, starting from the r-th one.
+  """
+  names = list(candidates)
+  for name in names:
+    for _ in range(warmup):
+      candidates[name]()
+  times = Times(names)
+  for r in range(reps):
+    for i in range(len(names)):
+      name = names[(r + i) % len(names)]
+      cpu, start = time.process_time(), time.perf_counter()
+      candidates[name]()
+      times[name].append(time.perf_counter() - start)
+      times.cpu[name].append(time.process_time() - cpu)
+  return times
+
+
+def summarize(seconds, cpu_seconds=None):
+  """Median, p25, p75 and min of wall-clock times (and the CPU median)."""
+  q = np.percentile(seconds, [25, 75])
+  out = {"median_s": statistics.median(seconds), "p25_s": float(q[0]),
+         "p75_s": float(q[1]), "min_s": min(seconds), "reps": len(seconds)}
+  if cpu_seconds is not None:
+    out["cpu_median_s"] = statistics.median(cpu_seconds)
+  return out
+
+
+def summarize_times(times, per=1):
+  """:func:`summarize` of each candidate of a :class:`Times`, divided by per."""
+  return {name: summarize([t / per for t in wall],
+                          [t / per for t in times.cpu[name]])
+          for name, wall in times.items()}
+
+
+def compiled_calls(compiled, *args):
+  """Zero-argument callables that run each compiled function and block."""
+  return {name: (lambda c=c: jax.block_until_ready(c(*args)))
+          for name, c in compiled.items()}
+
+
+def tree_bytes(tree):
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def max_abs(tree):
+  return max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree))
+
+
+def max_abs_diff(a, b):
+  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(
+      jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def copy_tree(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def memory(compiled):
+  """Sizes XLA's memory analysis gives a compiled program, in bytes."""
+  m = compiled.memory_analysis()
+  out = {
+      "argument_bytes": int(m.argument_size_in_bytes),
+      "output_bytes": int(m.output_size_in_bytes),
+      "alias_bytes": int(m.alias_size_in_bytes),
+      "temp_bytes": int(m.temp_size_in_bytes),
+  }
+  out["peak_estimate_bytes"] = (out["argument_bytes"] + out["output_bytes"]
+                                - out["alias_bytes"] + out["temp_bytes"])
+  return out
+
+
+def page_faults_per_call(runner, calls):
+  """Minor page faults of this process per call (fresh pages touched)."""
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  runner.steps(calls)
+  return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+
+def load_average():
+  """The 1, 5 and 15 minute load averages: near the core count when alone."""
+  return list(os.getloadavg())
+
+
+def _cpu_name():
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return "unknown"
+
+
+def _memory_bytes():
+  try:
+    with open("/proc/meminfo") as f:
+      return int(f.readline().split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def machine_info():
+  """The machine, the versions and the load average at the start."""
+  import flax  # pylint: disable=import-outside-toplevel
+  return {
+      "cpu": _cpu_name(), "cores": os.cpu_count(),
+      "memory_bytes": _memory_bytes(),
+      "platform": platform.platform(), "python": platform.python_version(),
+      "jax": jax.__version__, "jaxlib": jax.lib.__version__,
+      "optax": optax.__version__, "flax": flax.__version__,
+      "optax_accum": getattr(oa, "__version__", "?"),
+      "backend": jax.default_backend(),
+      "loadavg_start": load_average(),
+      "devices": [str(d) for d in jax.devices()],
+      "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+  }
+
+
+class Check(NamedTuple):
+  """A benchmark's correctness check: ``value <= limit`` must hold."""
+  what: str
+  value: float
+  limit: float
+
+  @property
+  def holds(self):
+    return self.value <= self.limit
