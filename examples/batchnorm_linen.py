@@ -48,9 +48,9 @@ Run it::
 """
 
 import argparse
+from collections.abc import Sequence
 import pathlib
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from flax import linen as nn
@@ -65,7 +65,7 @@ import optax_accum as oa
 DATA_PATH = pathlib.Path(__file__).parent / "data" / "digits.npz"
 
 
-def load_digits(seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def load_digits(seed: int) -> tuple[dict, dict]:
   """(train, test) splits of the 1797 digits: images in [0, 1], labels 0-9."""
   with np.load(DATA_PATH) as data:
     images = data["images"].astype(np.float32)[..., None] / 16.0
@@ -161,19 +161,26 @@ def train(norm: str, k: int, args: argparse.Namespace, train_data, test_data):
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=200)
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--steps", type=int, default=200,
+                      help="optimizer steps (batches) per run")
   parser.add_argument("--k", type=int, default=4,
                       help="micro-batches per batch")
-  parser.add_argument("--batch-size", type=int, default=64)
-  parser.add_argument("--lr", type=float, default=1e-2)
+  parser.add_argument("--batch-size", type=int, default=64,
+                      help="images per batch")
+  parser.add_argument("--lr", type=float, default=1e-2,
+                      help="learning rate (AdamW)")
   parser.add_argument("--momentum", type=float, default=0.9,
                       help="BatchNorm momentum of the full-batch run")
   parser.add_argument("--match-momentum",
                       action=argparse.BooleanOptionalAction, default=True,
                       help="use momentum ** (1 / k) with k micro-batches")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--quiet", action="store_true")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the initialisation and the batches")
+  parser.add_argument("--quiet", action="store_true",
+                      help="print nothing")
   args = parser.parse_args(argv)
   if args.batch_size % args.k:
     parser.error(f"--batch-size {args.batch_size} must be divisible by"

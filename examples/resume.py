@@ -1,10 +1,10 @@
 """Checkpoint in the middle of an accumulation cycle, resume in a new process.
 
-``oa.AccumulateState`` is a pytree of arrays: the running gradient sum, the token
-count, the position in the cycle and the wrapped optimizer's state. Saving it
-with the parameters (here with orbax) captures everything, even halfway through
-a cycle, so a run that stops and restarts is bit-for-bit the run that never
-stopped. This script:
+``oa.AccumulateState`` is a pytree of arrays: the running gradient sum, the
+token count, the position in the cycle and the wrapped optimizer's state.
+Saving it with the parameters (here with orbax) captures everything, even
+halfway through a cycle, so a run that stops and restarts is bit-for-bit the
+run that never stopped. This script:
 
 1. trains ``--micro-steps`` micro-steps in one go (the reference run);
 2. trains again, stops after ``--save-at`` micro-steps (mid-cycle: the partial
@@ -28,11 +28,11 @@ come back as the same NamedTuples::
 """
 
 import argparse
+from collections.abc import Sequence
 import pathlib
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -118,7 +118,9 @@ def restore(path: pathlib.Path, k: int) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--micro-steps", type=int, default=30,
                       help="micro-steps in the whole run")
   parser.add_argument("--save-at", type=int, default=13,
@@ -126,7 +128,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--k", type=int, default=4,
                       help="micro-steps per optimizer update")
   parser.add_argument("--dir", default=None,
-                      help="checkpoint folder (default: a temporary one)")
+                      help="checkpoint folder (None: a temporary one)")
   # Internal: what the new process is asked to do.
   parser.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--save-to", default=None, help=argparse.SUPPRESS)

@@ -1,0 +1,143 @@
+"""What several test files share (not a test module).
+
+- Toy models on padded sequences. A batch holds ``x`` (rows, seq, dim),
+  targets ``y`` (rows, seq) and a 0/1 ``mask`` (rows, seq) whose ones are each
+  row's tokens: rows of different lengths give micro-batches with different
+  token counts, which is what tells a token-weighted mean from a mean of
+  micro-batch means. Every model returns per-token losses, already masked; the
+  tests build their mean and sum losses on top.
+- Micro-batches: the contiguous split that ``oa.value_and_grad`` makes.
+- Tree comparison: one helper for "close", one for "bit for bit".
+- The runner of a Markdown file's ```python blocks (README, docs).
+"""
+
+import pathlib
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+# Toy models.
+
+
+def padded_batch(rng: np.random.Generator, lengths, seq: int, dim: int):
+  """A batch with ``lengths[i]`` tokens in row ``i``, as float32 numpy arrays.
+
+  Draws ``x`` then ``y`` from ``rng``.
+  """
+  lengths = np.asarray(lengths)
+  rows = len(lengths)
+  return {
+      "x": rng.normal(size=(rows, seq, dim)).astype(np.float32),
+      "y": rng.normal(size=(rows, seq)).astype(np.float32),
+      "mask": (np.arange(seq)[None, :] < lengths[:, None]).astype(np.float32),
+  }
+
+
+def num_tokens(batch):
+  """The number of tokens in ``batch``: the sum of its mask."""
+  return batch["mask"].sum()
+
+
+def linear_params(dim: int):
+  """Parameters of :func:`linear_token_losses`: a weight vector and a bias."""
+  return {"w": jnp.linspace(-1.0, 1.0, dim), "b": jnp.float32(0.3)}
+
+
+def linear_token_losses(params, batch):
+  """Squared error of ``tanh(x @ w + b)``, per token, masked."""
+  pred = jnp.tanh(batch["x"] @ params["w"] + params["b"])
+  return batch["mask"] * (pred - batch["y"]) ** 2
+
+
+def mlp_params(dim: int, hidden: int, seed: int):
+  """Parameters of :func:`mlp_token_losses`, drawn with ``seed``."""
+  rng = np.random.default_rng(seed)
+  return {
+      "w1": jnp.asarray(rng.normal(size=(dim, hidden)), jnp.float32),
+      "b1": jnp.asarray(rng.normal(size=(hidden,)) * 0.1, jnp.float32),
+      "w2": jnp.asarray(rng.normal(size=(hidden,)), jnp.float32),
+  }
+
+
+def mlp_token_losses(params, batch):
+  """Squared error of a one-hidden-layer tanh network, per token, masked."""
+  hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+  return batch["mask"] * (hidden @ params["w2"] - batch["y"]) ** 2
+
+
+def safe_mean(token_losses, batch):
+  """The mean over the batch's tokens; 0 (not 0/0) without any."""
+  return token_losses.sum() / jnp.maximum(num_tokens(batch), 1.0)
+
+
+def raw_mean(token_losses, batch):
+  """The mean over the batch's tokens; 0/0 = NaN without any, on purpose."""
+  return token_losses.sum() / num_tokens(batch)
+
+
+# Micro-batches.
+
+
+def split(batch, num_microbatches: int):
+  """The micro-batches of ``batch``, in order: contiguous blocks of rows."""
+  size = len(jax.tree.leaves(batch)[0]) // num_microbatches
+  return [
+      jax.tree.map(lambda x, i=i: x[i * size : (i + 1) * size], batch)
+      for i in range(num_microbatches)
+  ]
+
+
+# Tree comparison.
+
+
+def assert_trees_close(actual, expected, *, rtol=1e-6, atol=0.0):
+  """Leaf by leaf ``|actual - expected| <= atol + rtol * |expected|``."""
+  chex.assert_trees_all_close(actual, expected, rtol=rtol, atol=atol)
+
+
+def trees_close(actual, expected, *, rtol=1e-6, atol=0.0) -> bool:
+  """Whether :func:`assert_trees_close` would pass."""
+  try:
+    assert_trees_close(actual, expected, rtol=rtol, atol=atol)
+  except AssertionError:
+    return False
+  return True
+
+
+def assert_trees_equal(actual, expected):
+  """The same structure, dtypes and values, bit for bit."""
+  chex.assert_trees_all_equal_structs(actual, expected)
+  for leaf, expected_leaf in zip(
+      jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True
+  ):
+    assert leaf.dtype == expected_leaf.dtype, (leaf.dtype, expected_leaf.dtype)
+    np.testing.assert_array_equal(np.asarray(leaf), np.asarray(expected_leaf))
+
+
+# Markdown snippets.
+
+
+def run_markdown_snippets(path, min_blocks: int = 1) -> dict:
+  """Runs the ```python blocks of ``path`` in order, in one namespace.
+
+  Args:
+    path: the Markdown file, absolute or relative to the repository root.
+    min_blocks: fail unless the file has at least this many blocks, so that a
+      changed fence does not silently turn the test into a no-op.
+
+  Returns:
+    The namespace the blocks ran in.
+  """
+  text = (ROOT / path).read_text()
+  blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+  assert len(blocks) >= min_blocks, (path, len(blocks))
+  namespace = {}
+  for block in blocks:
+    exec(block, namespace)  # pylint: disable=exec-used
+  return namespace
