@@ -32,6 +32,7 @@ BENCHMARKS = (
     "bench_value_and_grad",  # c. value and gradient of one batch
     "bench_sweep",           # d. time and temporary memory vs k
     "bench_memory",          # e. accumulator memory
+    "bench_coupled",         # f. a loss coupling the batch vs the full batch
 )
 RESULTS_DIR = os.path.join(_HERE, "results")
 
@@ -93,7 +94,7 @@ def main(argv=None):
                       "writes results/quick.* unless --out is given")
   parser.add_argument("--only", default="",
                       help="comma-separated keys of the benchmarks to run "
-                      "(a,b,c,d,e); all when empty")
+                      "(a,b,c,...; see the registry); all when empty")
   parser.add_argument("--out", default=None,
                       help="output path prefix for .md, .json and .png "
                       "(default: results/latest, or results/quick with "

@@ -1,0 +1,290 @@
+r"""Gradient caching: exact gradients of losses that couple a batch's examples.
+
+A contrastive loss with in-batch negatives, a loss divided by a batch-wide
+normaliser or a global load-balancing term is not a sum over examples: micro-
+batch ``i``'s gradient depends on every other example, so no weighting of
+micro-batch gradients gives the full batch's. Gradient caching (Gao et al.,
+2021) splits the model into an encoder and a loss on the whole batch's
+representations and computes the exact gradient in two passes over
+micro-batches, holding one micro-batch's activations at a time.
+"""
+
+from collections.abc import Callable
+import math
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+from optax_accum._src import axes
+from optax_accum._src import batching
+from optax_accum._src import coupled_passes
+from optax_accum._src import mesh_loop
+from optax_accum._src import microbatch_rng
+from optax_accum._src import sharding
+from optax_accum._src import validation
+
+
+def _microbatch_keys(rng: Any, num_microbatches: int,
+                     axis_name: axes.AxisName | None) -> Any:
+  """The keys of :func:`microbatch_rng.key_for`, one per micro-batch."""
+  if rng is None:
+    return None
+  return jax.vmap(lambda i: microbatch_rng.key_for(rng, i, axis_name))(
+      jnp.arange(num_microbatches)
+  )
+
+
+def _axis_size(axis_name: axes.AxisName) -> int:
+  return math.prod(lax.axis_size(a) for a in axes.axes_of(axis_name))
+
+
+def _over_rows(collective: Callable[[jax.Array], jax.Array],
+               leaves: list[jax.Array]) -> list[jax.Array]:
+  """Applies a collective over rows to ``leaves``: one call per dtype.
+
+  Leaves of a dtype are flattened to ``(rows, features)`` and concatenated
+  along the features, so that two towers' representations (or their
+  cotangents) travel in one all-gather (or reduce-scatter), not one each.
+  """
+  groups = {}
+  for i, leaf in enumerate(leaves):
+    groups.setdefault(jnp.result_type(leaf), []).append(i)
+  out = [None] * len(leaves)
+  for members in groups.values():
+    flat = [jnp.reshape(leaves[i], (jnp.shape(leaves[i])[0], -1))
+            for i in members]
+    packed = collective(jnp.concatenate(flat, axis=1))
+    ends = np.cumsum([f.shape[1] for f in flat])[:-1]
+    for i, part in zip(members, jnp.split(packed, ends, axis=1)):
+      out[i] = part.reshape(packed.shape[:1] + jnp.shape(leaves[i])[1:])
+  return out
+
+
+class _Coupled(NamedTuple):
+  """The settings of one coupled_value_and_grad."""
+
+  encode_fn: Callable[..., Any]
+  loss_fn: Callable[..., Any]
+  num_microbatches: int
+  has_aux: bool
+  axis_name: axes.AxisName | None
+  accumulator_dtype: Any
+
+
+def _per_device(c: _Coupled, params, batch, args, rng):
+  """Loss, aux and this device's gradient sum, before any reduction.
+
+  With ``axis_name`` the loss is the mean of the devices' losses on the
+  gathered representations, so each device's share (loss, direct gradient,
+  representation cotangent) is divided by the number of devices; the
+  reduce-scatter sums the cotangents of each device's rows.
+  """
+  k = c.num_microbatches
+  microbatches = batching.split_microbatches(batch, k)
+  keys = _microbatch_keys(rng, k, c.axis_name)
+  reps = coupled_passes.encode_all(
+      c.encode_fn, params, microbatches, keys, args
+  )
+  devices = 1
+  if c.axis_name is not None:
+    devices = _axis_size(c.axis_name)
+    leaves, treedef = jax.tree.flatten(reps)
+    reps = treedef.unflatten(_over_rows(
+        lambda x: lax.all_gather(x, c.axis_name, axis=0, tiled=True), leaves
+    ))
+  out = coupled_passes.loss_on_reps(
+      c.loss_fn, c.has_aux, params, reps, batch, args
+  )
+  cotangents = out.cotangents
+  if c.axis_name is not None:
+    cotangents = _over_rows(
+        lambda x: lax.psum_scatter(
+            x, c.axis_name, scatter_dimension=0, tiled=True
+        ),
+        cotangents,
+    )
+  cotangents = [
+      (t / devices).reshape((k, -1) + t.shape[1:]) for t in cotangents
+  ]
+  init = jax.tree.map(
+      lambda g: (g / devices).astype(c.accumulator_dtype), out.direct
+  )
+  grad_sum = coupled_passes.pull_back(
+      c.encode_fn, params, microbatches, keys, cotangents, init, args
+  )
+  return out.loss / devices, out.aux, grad_sum
+
+
+def _as_params(grad_sum, params):
+  return jax.tree.map(
+      lambda s, p: s.astype(jnp.result_type(p)), grad_sum, params
+  )
+
+
+def _data_parallel(c: _Coupled, params, batch, args, rng, param_specs=None):
+  """Inside shard_map or pmap: gather params, run, reduce once."""
+  if param_specs is None:
+    param_specs = jax.tree.map(lambda _: P(), params)
+  full_params = jax.tree.map(sharding.gather, params, param_specs)
+  # A device-local copy: autodiff must not sum over the axis per micro-batch.
+  local_params = axes.device_local(full_params, c.axis_name)
+  loss, aux, grad_sum = _per_device(c, local_params, batch, args, rng)
+  grad_sum, loss = sharding.sum_into_shards(
+      grad_sum, param_specs, loss, c.axis_name
+  )
+  return loss, aux, _as_params(grad_sum, params)
+
+
+def coupled_value_and_grad(
+    encode_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any],
+    *,
+    num_microbatches: int,
+    has_aux: bool = False,
+    axis_name: axes.AxisName | None = None,
+    accumulator_dtype: Any = jnp.float32,
+) -> Callable[..., Any]:
+  r"""Value and gradient of a loss coupling a batch, by micro-batches.
+
+  For ``L(params) = loss_fn(params, encode_fn(params, batch), batch)`` where
+  ``loss_fn`` couples the examples (in-batch negatives, a batch-wide
+  normaliser, a global load-balancing term), returns exactly (to float
+  rounding) ``jax.value_and_grad(L)(params)`` while holding the activations of
+  one micro-batch at a time, plus the whole batch's representations ``R``.
+  With ``R_i = encode_fn(params, microbatch_i)``, the chain rule gives
+
+  .. math::
+    \nabla L = \frac{\partial L}{\partial \theta}\Big|_R
+      + \sum_i J_{R_i}(\theta)^\top \frac{\partial L}{\partial R_i},
+
+  computed in three steps: a first :func:`jax.lax.scan` encodes every
+  micro-batch without keeping activations; the loss, its direct gradient and
+  its gradient with respect to ``R`` are taken on the whole batch; a second
+  scan runs each micro-batch forward again and pulls its slice of
+  :math:`\partial L / \partial R` back with :func:`jax.vjp`, adding it to a
+  sum kept in ``accumulator_dtype``. It costs one extra forward pass.
+
+  Representations may be any pytree whose leaves have one row per example
+  (two towers, embeddings and router logits, or integer labels that the loss
+  needs; leaves that are not floating get no gradient). With ``rng=`` each
+  micro-batch gets its own key, as in :func:`optax_accum.value_and_grad`
+  (``fold_in(rng, i)``, the device's index folded in first under
+  ``axis_name``), the same in both passes so that dropout masks agree; it is
+  passed to ``encode_fn`` as ``rng=``.
+
+  With ``axis_name`` (data parallelism, as in
+  :func:`optax_accum.value_and_grad`: a manual axis inside
+  :func:`jax.shard_map` or :func:`jax.pmap`, or an axis of the mesh set by
+  :func:`jax.set_mesh` under :func:`jax.jit`), each device encodes its shard
+  of the batch, the representations are all-gathered over the axis once, and
+  ``loss_fn`` gets the global batch's representations (in device order) with
+  this device's shard of ``batch``. The loss is taken as the mean of the
+  devices' losses (the same on every device when ``loss_fn`` reads only the
+  representations): one reduce-scatter gives each device the cotangent of its
+  own rows, and the gradient is summed over devices once, after the loop. No
+  collective runs inside either loop. Parameters sharded over the axis (FSDP)
+  are gathered once and their gradients reduce-scattered, as in
+  :func:`optax_accum.value_and_grad`. Under :func:`jax.jit` with a mesh,
+  ``aux`` comes back with a new leading axis, one entry per device.
+
+  Args:
+    encode_fn: ``encode_fn(params, microbatch, *args)`` (and ``rng=`` when
+      given) returning the representations of the micro-batch's examples: a
+      pytree whose leaves have the micro-batch's leading axis.
+    loss_fn: ``loss_fn(params, reps, batch, *args)`` returning a scalar loss,
+      or ``(loss, aux)`` with ``has_aux``; ``reps`` are the whole batch's.
+    num_microbatches: how many micro-batches to split the batch into.
+    has_aux: whether ``loss_fn`` returns auxiliary data.
+    axis_name: data-parallel axis (or axes): a manual axis or a mesh axis.
+    accumulator_dtype: floating dtype of the gradient's running sum.
+
+  Returns:
+    ``fn(params, batch, *args, rng=None)`` returning ``(loss, grads)``, or
+    ``((loss, aux), grads)`` with ``has_aux``; ``grads`` in the parameters'
+    dtypes, the loss in the dtype ``loss_fn`` returns.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import optax_accum as oa
+    >>> encode = lambda w, x: x @ w
+    >>> def loss(w, reps, x):  # normalised by the whole batch: not a sum
+    ...   return jnp.sum(reps ** 2) / jnp.sum(jnp.abs(reps))
+    >>> w, x = jnp.ones((2, 3)), jnp.arange(8.0).reshape(4, 2)
+    >>> fn = oa.coupled_value_and_grad(encode, loss, num_microbatches=2)
+    >>> value, grads = fn(w, x)
+    >>> value
+    Array(9.857142, dtype=float32)
+    >>> full = jax.value_and_grad(lambda w: loss(w, encode(w, x), x))(w)
+    >>> bool(jnp.allclose(value, full[0]) and jnp.allclose(grads, full[1]))
+    True
+
+  References:
+    Gao et al, `Scaling Deep Contrastive Learning Batch Size under Memory
+    Limited Setup <https://arxiv.org/abs/2101.06983>`_, 2021
+  """
+  for name, f in (("encode_fn", encode_fn), ("loss_fn", loss_fn)):
+    if not callable(f):
+      raise TypeError(f"{name} must be callable, got {f!r}.")
+  num_microbatches = validation.check_positive_int(
+      "num_microbatches", num_microbatches
+  )
+  has_aux = validation.check_bool("has_aux", has_aux)
+  axis_name = validation.check_axis_name(axis_name)
+  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
+
+  coupled = _Coupled(encode_fn, loss_fn, num_microbatches, has_aux,
+                     axis_name, accumulator_dtype)
+
+  def fn(params, batch, *args, rng=None):
+    rng = microbatch_rng.check(rng)
+    if axis_name is None:
+      loss, aux, grad_sum = _per_device(coupled, params, batch, args, rng)
+      grads = _as_params(grad_sum, params)
+    elif axes.is_bound(axis_name):
+      loss, aux, grads = _data_parallel(coupled, params, batch, args, rng)
+    else:
+      loss, aux, grads = _over_mesh(coupled, params, batch, args, rng)
+    return ((loss, aux), grads) if has_aux else (loss, grads)
+
+  return fn
+
+
+def _over_mesh(c: _Coupled, params, batch, args, rng):
+  """Runs :func:`_data_parallel` in a shard_map over a current mesh axis.
+
+  ``params`` sharded over the axis (Explicit) arrive as shards, with their
+  specs; ``batch`` is split over the axis, ``args`` and ``rng`` replicated.
+  ``aux`` leaves come back with a new leading axis, one entry per device.
+  """
+  axis_name = c.axis_name
+  # One home for the error that says how to set the mesh.
+  size = mesh_loop._mesh_axis_size(axis_name)
+  batching.check_divisible(
+      batching.batch_size(batch), c.num_microbatches, devices=size
+  )
+  param_specs = jax.tree.map(lambda p: sharding.spec_over(p, axis_name), params)
+  if axes.all_explicit(axis_name):
+    batch = jax.tree.map(
+        lambda x: sharding.without_axes(x, axis_name, True), batch
+    )
+    args = jax.tree.map(
+        lambda x: sharding.without_axes(x, axis_name, False), args
+    )
+
+  def body(params, batch, args, rng):
+    loss, aux, grads = _data_parallel(c, params, batch, args, rng, param_specs)
+    aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
+    return loss, aux, grads
+
+  sharded = jax.shard_map(
+      body,
+      in_specs=(param_specs, P(axis_name), P(), P()),
+      out_specs=(P(), P(axis_name), param_specs),
+      axis_names=set(axes.axes_of(axis_name)),
+  )
+  return sharded(params, batch, tuple(args), rng)

@@ -1,0 +1,115 @@
+"""The two passes of gradient caching and the loss between them.
+
+The first pass encodes every micro-batch without keeping activations; the
+loss and its gradients are taken on the whole batch's representations; the
+second pass runs each micro-batch forward again and pulls its rows of the
+representations' gradient back through the encoder with :func:`jax.vjp`.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+
+class LossOnReps(NamedTuple):
+  """The loss on the whole batch's representations and its gradients."""
+
+  loss: jax.Array  # shape=(), the dtype loss_fn returns.
+  aux: Any  # what loss_fn returns next to the loss, or None.
+  direct: Any  # d loss / d params with the representations held fixed.
+  cotangents: list[jax.Array]  # d loss / d reps, one per floating reps leaf.
+
+
+def _is_differentiable(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def floating_leaves(reps: Any) -> list[jax.Array]:
+  """The leaves of ``reps`` that have a gradient (integer labels have none)."""
+  return [x for x in jax.tree.leaves(reps) if _is_differentiable(x)]
+
+
+def _check_reps(reps: Any, rows: int) -> None:
+  """Raises unless every leaf of ``reps`` has one row per example."""
+  leaves = jax.tree_util.tree_leaves_with_path(reps)
+  if not leaves:
+    raise ValueError("encode_fn must return at least one array, got an empty"
+                     f" tree: {reps!r}.")
+  for path, leaf in leaves:
+    shape = jnp.shape(leaf)
+    if not shape or shape[0] != rows:
+      raise ValueError(
+          f"encode_fn's output reps{jax.tree_util.keystr(path)} has shape"
+          f" {shape}; every representation needs the micro-batch's leading"
+          f" axis of size {rows} (one row per example), so that the micro-"
+          "batches' representations concatenate into the batch's."
+      )
+
+
+def _encode(encode_fn, params, microbatch, args, key):
+  if key is None:
+    return encode_fn(params, microbatch, *args)
+  return encode_fn(params, microbatch, *args, rng=key)
+
+
+def encode_all(encode_fn, params, microbatches, keys, args):
+  """The first pass: every micro-batch's representations, no activations."""
+  rows = jax.tree.leaves(microbatches)[0].shape[1]
+
+  def step(_, xs):
+    microbatch, key = xs
+    reps = _encode(encode_fn, params, microbatch, args, key)
+    _check_reps(reps, rows)
+    return None, reps
+
+  _, reps = lax.scan(step, None, (microbatches, keys))
+  return jax.tree.map(lambda r: r.reshape((-1,) + r.shape[2:]), reps)
+
+
+def loss_on_reps(loss_fn, has_aux, params, reps, batch, args) -> LossOnReps:
+  """The loss of the whole batch and its gradients at fixed ``reps``."""
+  leaves, treedef = jax.tree.flatten(reps)
+  floating = [i for i, x in enumerate(leaves) if _is_differentiable(x)]
+
+  def loss_of(p, float_reps):
+    merged = list(leaves)
+    for i, leaf in zip(floating, float_reps):
+      merged[i] = leaf
+    out = loss_fn(p, treedef.unflatten(merged), batch, *args)
+    if has_aux:
+      if not isinstance(out, tuple) or len(out) != 2:
+        raise ValueError("loss_fn must return a pair (loss, aux) with"
+                         f" has_aux=True, got {type(out).__name__}.")
+    else:
+      out = (out, None)
+    if jnp.ndim(out[0]) != 0:
+      raise ValueError("loss_fn must return a scalar loss, got shape"
+                       f" {jnp.shape(out[0])}.")
+    return out
+
+  (loss, aux), (direct, cotangents) = jax.value_and_grad(
+      loss_of, argnums=(0, 1), has_aux=True
+  )(params, [leaves[i] for i in floating])
+  return LossOnReps(loss, aux, direct, cotangents)
+
+
+def pull_back(encode_fn, params, microbatches, keys, cotangents, init, args):
+  """The second pass: adds each micro-batch's J^T cotangent to ``init``."""
+
+  def step(grad_sum, xs):
+    microbatch, key, cotangent = xs
+    _, vjp = jax.vjp(
+        lambda p: floating_leaves(
+            _encode(encode_fn, p, microbatch, args, key)
+        ),
+        params,
+    )
+    (grads,) = vjp(cotangent)
+    return jax.tree.map(
+        lambda s, g: s + g.astype(s.dtype), grad_sum, grads
+    ), None
+
+  grad_sum, _ = lax.scan(step, init, (microbatches, keys, cotangents))
+  return grad_sum
