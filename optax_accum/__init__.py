@@ -2,6 +2,7 @@
 
 from optax_accum._src.accumulate import accumulate as accumulate
 from optax_accum._src.accumulate import AccumulateState as AccumulateState
+from optax_accum._src.coupled import coupled_value_and_grad as coupled_value_and_grad
 from optax_accum._src.axes import device_local as device_local
 from optax_accum._src.hlo import CollectiveCounts as CollectiveCounts
 from optax_accum._src.hlo import count_collectives as count_collectives
@@ -17,6 +18,7 @@ __all__ = (
     "CollectiveCounts",
     "accumulate",
     "count_collectives",
+    "coupled_value_and_grad",
     "device_local",
     "find_accumulate_state",
     "has_updated",

@@ -189,19 +189,23 @@ def test_scan_train_step_is_the_full_batch_gradient_and_the_loss_falls():
 
   assert results["loss_error"] < 1e-5, results["loss_error"]
   assert results["grad_error"] < 1e-5, results["grad_error"]
+  assert results["accuracy_error"] < 1e-6, results["accuracy_error"]
   losses = results["losses"]
-  assert losses[-1] < 1e-3 * losses[0], (losses[0], losses[-1])
   assert all(np.isfinite(losses))
+  # Trained with dropout (a key per micro-batch), evaluated without it.
+  assert results["eval_loss"] < 1e-2 * losses[0], (losses[0], results)
+  assert results["accuracy"] > 0.9 > results["initial_accuracy"], results
   # The test is not vacuous: the micro-batches' real rows are uneven, so the
-  # mean of per-micro-batch means is not the full batch's loss.
+  # mean of per-micro-batch means is neither the full batch's loss nor its
+  # accuracy.
   batch = scan_train_step.example_batch()
   params = scan_train_step.initial_params()
   microbatches = [jax.tree.map(lambda a, i=i: a[16 * i : 16 * (i + 1)], batch)
                   for i in range(4)]
-  mean_of_means = np.mean([float(scan_train_step.loss_fn(params, mb))
-                           for mb in microbatches])
-  full = float(scan_train_step.loss_fn(params, batch))
-  assert abs(mean_of_means - full) > 1e-2 * full
+  for metric in (scan_train_step.loss_fn, scan_train_step.accuracy):
+    mean_of_means = np.mean([float(metric(params, mb)) for mb in microbatches])
+    full = float(metric(params, batch))
+    assert abs(mean_of_means - full) > 1e-2 * full, metric
 
 
 def test_readme_snippets_run_and_print_what_they_say(capsys):

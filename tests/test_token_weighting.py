@@ -85,3 +85,46 @@ def test_the_empty_micro_batch_is_really_nan():
   for loss_reduction in ("mean", "sum"):
     grads = jax.grad(_loss(loss_reduction))(helpers.linear_params(DIM), empty)
     assert not np.all(np.isfinite(grads["w"]))
+
+
+def _bad_count_data(bad):
+  """The data above with micro-batch 2 claiming ``bad`` tokens."""
+  batch = _data()
+  batch["extra"] = jnp.zeros(len(LENGTHS)).at[4:6].set(bad)
+  return batch
+
+
+def _bad_num_tokens(mb):
+  return helpers.num_tokens(mb) + mb["extra"][0]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -100.0])
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_entry_points_agree_on_a_bad_traced_token_count(bad, loss_reduction):
+  """Neither uses it as a weight nor drops it silently: the mean is NaN."""
+  data, params = _bad_count_data(bad), helpers.linear_params(DIM)
+  fn = oa.value_and_grad(_loss(loss_reduction), num_microbatches=K,
+                         num_tokens_fn=_bad_num_tokens,
+                         loss_reduction=loss_reduction)
+  _, from_value_and_grad = jax.jit(fn)(params, data)
+  tx = oa.accumulate(optax.sgd(-1.0), every_k=K,
+                     loss_reduction=loss_reduction)
+  state, update = tx.init(params), jax.jit(tx.update)
+  for mb in helpers.split(data, K):
+    grads = jax.grad(_loss(loss_reduction))(params, mb)
+    from_accumulate, state = update(grads, state, params,
+                                    num_tokens=_bad_num_tokens(mb))
+  for grads in (from_value_and_grad, from_accumulate):
+    for leaf in jax.tree.leaves(grads):
+      assert np.all(np.isnan(leaf)), grads
+
+
+def test_entry_points_agree_on_a_concrete_bad_token_count():
+  params, data = helpers.linear_params(DIM), _data()
+  fn = oa.value_and_grad(_loss("mean"), num_microbatches=K,
+                         num_tokens_fn=lambda mb: -1.0)
+  with pytest.raises(ValueError, match=r"num_tokens.*finite number >= 0"):
+    fn(params, data)
+  tx = oa.accumulate(optax.sgd(1.0), every_k=K)
+  with pytest.raises(ValueError, match=r"num_tokens.*finite number >= 0"):
+    tx.update(params, tx.init(params), params, num_tokens=-1.0)

@@ -1,36 +1,35 @@
-"""Unit tests of oa.value_and_grad: exactness, aux, args, model state, dtypes."""
+"""Unit tests of oa.value_and_grad: exactness, aux, args, state, dtypes."""
 
 import re
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
 import optax_accum as oa
-import toy_models
 
 BATCH, SEQ, DIM = 8, 6, 4
 
 
 def _data(seed=0):
   lengths = [6, 1, 0, 2, 6, 5, 1, 3]  # uneven across micro-batches
-  batch = toy_models.padded_batch(np.random.default_rng(seed), lengths, SEQ, DIM)
+  batch = helpers.padded_batch(np.random.default_rng(seed), lengths, SEQ, DIM)
   assert len(lengths) == BATCH
   return jax.tree.map(jnp.asarray, batch)
 
 
 def _params():
-  return toy_models.linear_params(DIM)
+  return helpers.linear_params(DIM)
 
 
-_token_losses = toy_models.linear_token_losses
-num_tokens = toy_models.num_tokens
+_token_losses = helpers.linear_token_losses
+num_tokens = helpers.num_tokens
 
 
 def mean_loss(params, batch):  # 0/0 without tokens, on purpose.
-  return _token_losses(params, batch).sum() / batch["mask"].sum()
+  return helpers.raw_mean(_token_losses(params, batch), batch)
 
 
 def sum_loss(params, batch):
@@ -48,7 +47,7 @@ def test_matches_full_batch_with_uneven_tokens(k, loss_reduction):
   expected_loss, expected_grads = jax.value_and_grad(mean_loss)(
       _params(), _data())
   np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
-  chex.assert_trees_all_close(grads, expected_grads, rtol=1e-5, atol=1e-7)
+  helpers.assert_trees_close(grads, expected_grads, rtol=1e-5, atol=1e-7)
 
 
 def test_mean_of_means_differs_on_the_same_data():
@@ -67,7 +66,7 @@ def test_without_num_tokens_each_micro_batch_weighs_the_same():
   loss, grads = oa.value_and_grad(mse, num_microbatches=4)(_params(), data)
   expected_loss, expected_grads = jax.value_and_grad(mse)(_params(), data)
   np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
-  chex.assert_trees_all_close(grads, expected_grads, rtol=1e-5)
+  helpers.assert_trees_close(grads, expected_grads, rtol=1e-5)
 
 
 def test_aux_is_stacked_per_micro_batch_in_order():
@@ -92,7 +91,7 @@ def test_extra_args_are_passed_through_unsplit():
   expected_loss, expected_grads = jax.value_and_grad(loss_fn)(
       _params(), _data(), 3.0, 1.0)
   np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
-  chex.assert_trees_all_close(grads, expected_grads, rtol=1e-5, atol=1e-6)
+  helpers.assert_trees_close(grads, expected_grads, rtol=1e-5, atol=1e-6)
 
 
 def _bn_loss(params, stats, batch):
@@ -120,16 +119,15 @@ def test_model_state_is_threaded_through_micro_batches(has_aux):
   final_stats, aux = rest if has_aux else (rest, None)
 
   expected_stats, losses, grad_list = stats, [], []
-  for i in range(4):
-    mb = jax.tree.map(lambda x: x[2 * i:2 * i + 2], data)
+  for mb in helpers.split(data, 4):
     (mb_loss, expected_stats), g = jax.value_and_grad(
-        lambda p: _bn_loss(p, expected_stats, mb), has_aux=True)(_params())
+        _bn_loss, has_aux=True)(_params(), expected_stats, mb)
     losses.append(mb_loss)
     grad_list.append(g)
-  chex.assert_trees_all_close(final_stats, expected_stats, rtol=1e-6)
+  helpers.assert_trees_close(final_stats, expected_stats, rtol=1e-6)
   assert int(final_stats["steps"]) == 4
   np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-6)
-  chex.assert_trees_all_close(
+  helpers.assert_trees_close(
       grads, jax.tree.map(lambda *g: sum(g) / 4, *grad_list), rtol=1e-5)
   if has_aux:
     np.testing.assert_allclose(aux, losses, rtol=1e-6)
@@ -141,7 +139,7 @@ def test_zero_tokens_give_zero_loss_and_gradient_not_nan():
   loss, grads = oa.value_and_grad(
       mean_loss, num_microbatches=2, num_tokens_fn=num_tokens)(_params(), data)
   assert float(loss) == 0.0
-  chex.assert_trees_all_equal(grads, jax.tree.map(jnp.zeros_like, _params()))
+  helpers.assert_trees_equal(grads, jax.tree.map(jnp.zeros_like, _params()))
 
 
 def test_micro_batch_without_tokens_does_not_poison_the_sum():
@@ -153,20 +151,20 @@ def test_micro_batch_without_tokens_does_not_poison_the_sum():
   expected_loss, expected_grads = jax.value_and_grad(mean_loss)(
       _params(), data)
   np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
-  chex.assert_trees_all_close(grads, expected_grads, rtol=1e-5)
+  helpers.assert_trees_close(grads, expected_grads, rtol=1e-5)
 
 
-def test_bf16_params_sum_in_float32_and_return_bf16():
+def test_bf16_params_sum_in_float32_and_return_bf16_like_loss_fn():
   params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params())
   data = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _data())
   with jax.numpy_dtype_promotion("strict"):
     loss, grads = jax.jit(oa.value_and_grad(
         mean_loss, num_microbatches=4, num_tokens_fn=num_tokens))(params, data)
-  assert loss.dtype == jnp.float32
+  assert loss.dtype == jnp.bfloat16  # loss_fn's dtype, as jax.value_and_grad
   assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
   f32 = jax.tree.map(lambda x: x.astype(jnp.float32), (params, data))
   expected = jax.grad(mean_loss)(*f32)
-  chex.assert_trees_all_close(
+  helpers.assert_trees_close(
       jax.tree.map(lambda g: g.astype(jnp.float32), grads), expected,
       rtol=3e-2, atol=1e-2)
 

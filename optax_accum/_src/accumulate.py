@@ -1,4 +1,4 @@
-"""Gradient accumulation as an optax transformation: one micro-batch per call."""
+"""Gradient accumulation, an optax transformation: one micro-batch per call."""
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -36,9 +36,12 @@ class AccumulateState(NamedTuple):
     emitted: whether the call that produced this state emitted an update
       (read it with :func:`optax_accum.has_updated`).
     nonfinite_count: micro-steps dropped by ``skip_nonfinite`` (a non-finite
-      gradient or ``num_tokens``) since ``init``; per device.
+      gradient, or a ``num_tokens`` that is NaN, infinite or negative) since
+      ``init``; per device. A micro-step with zero tokens is not dropped (it
+      adds nothing anyway): its NaN gradient, often a 0/0 mean, is not
+      counted.
     skipped_count: micro-steps dropped by ``should_skip`` since ``init``; per
-      device.
+      device. A micro-step that both rules drop is counted by both.
   """
 
   micro_step: jax.Array  # shape=(), dtype=jnp.int32.
@@ -88,8 +91,10 @@ def _drops(updates, tokens, state, params, skip_nonfinite, should_skip):
   """Whether ``skip_nonfinite`` and ``should_skip`` drop this micro-step."""
   nonfinite = jnp.bool_(False)
   if skip_nonfinite:
-    bad_count = token_weighting.is_bad_count(tokens)
-    nonfinite = bad_count | ~_all_finite(updates)
+    # A micro-step without tokens adds nothing whatever its gradient (often
+    # a 0/0 mean): it is not a dropped one.
+    bad_grads = ~_all_finite(updates) & (tokens != 0)
+    nonfinite = token_weighting.is_bad_count(tokens) | bad_grads
   skipped = jnp.bool_(False)
   if should_skip is not None:
     skipped = validation.check_predicate(
@@ -115,11 +120,58 @@ def _add_to_sum(grad_sum, updates, contribution, cycle_start):
   return token_weighting.add(restarted, updates, contribution)
 
 
-def _should_emit(emit, micro_step, length):
+def _should_emit(emit, micro_step, length, axis_name):
   """The emit decision: the every_k rule, or the caller's ``emit``."""
   if emit is None:
     return micro_step >= length
-  return validation.check_predicate("emit", emit)
+  emit = validation.check_predicate("emit", emit)
+  if axis_name is not None:
+    validation.check_same_on_every_device("emit", emit, axis_name)
+  return emit
+
+
+def _checked_grads(updates, grad_sum, axis_name, num_tokens):
+  """The incoming gradients as floating arrays, checked against the state.
+
+  A micro-step known at trace time to have no tokens (a flush:
+  ``num_tokens=0``) is never looked at, so its zeros need not be
+  device-local.
+  """
+  no_tokens = num_tokens is not None and not isinstance(
+      num_tokens, jax.core.Tracer) and float(num_tokens) == 0
+  updates = validation.check_grads(updates, grad_sum, axis_name,
+                                   check_local=not no_tokens)
+  return _as_inexact(updates, grad_sum)
+
+
+def _sum_dtype(param, accumulator_dtype):
+  """The running sum's dtype: complex parameters get a complex sum."""
+  if jnp.iscomplexobj(param):
+    return jnp.result_type(accumulator_dtype, jnp.complex64)
+  return accumulator_dtype
+
+
+def _as_inexact(grads, grad_sum):
+  """Gradients as floating (or complex) arrays, checked against the sum.
+
+  Integer and bool leaves (a Python ``0`` for an unused parameter) take the
+  sum's dtype, so that their mean is not rounded to an integer. A complex
+  gradient for a real sum would lose its imaginary part: refused.
+  """
+
+  def convert(path, g, s):
+    if jnp.iscomplexobj(g) and not jnp.iscomplexobj(s):
+      raise TypeError(
+          f"updates{jax.tree_util.keystr(path)} is complex ({g.dtype}) but"
+          f" the parameters it is for are real (the sum is {s.dtype}): its"
+          " imaginary part would be lost. Initialise with complex"
+          " parameters."
+      )
+    if jnp.issubdtype(g.dtype, jnp.inexact):
+      return g
+    return g.astype(s.dtype)
+
+  return jax.tree_util.tree_map_with_path(convert, grads, grad_sum)
 
 
 class _Emitter(NamedTuple):
@@ -264,8 +316,15 @@ def accumulate(
     ``(grads, state, params=None, *, num_tokens=None, emit=None,
     **extra_args)``. ``num_tokens=None`` counts as one. ``emit=None`` keeps
     the ``every_k`` rule; ``emit=True`` (a Python or traced bool) ends the
-    cycle on this call, ``emit=False`` forbids ending it. ``extra_args`` go
-    on to ``inner``.
+    cycle on this call, ``emit=False`` forbids ending it (a traced ``emit``
+    is the whole decision; with ``axis_name`` it must be the same on every
+    device). ``emit`` is never passed to ``inner``. A flush with no new
+    gradient is ``update(zero_grads, state, params, num_tokens=0,
+    emit=True)``. ``extra_args`` go on to ``inner``; a keyword that looks
+    like a typo of ``num_tokens`` or ``emit``, or any keyword when ``inner``
+    is a plain :class:`optax.GradientTransformation`, raises ``TypeError``.
+    Gradient leaves may be Python scalars or NumPy arrays; integer ones are
+    averaged in ``accumulator_dtype``; complex ones need complex parameters.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -310,7 +369,10 @@ def accumulate(
         micro_step=jnp.zeros([], jnp.int32),
         count=jnp.zeros([], jnp.int32),
         grad_sum=jax.tree.map(
-            lambda p: partial_zeros(jnp.shape(p), accumulator_dtype), params
+            lambda p: partial_zeros(
+                jnp.shape(p), _sum_dtype(p, accumulator_dtype)
+            ),
+            params,
         ),
         token_count=partial_zeros((), jnp.float32),
         inner_state=inner.init(params),
@@ -321,10 +383,11 @@ def accumulate(
 
   def update_fn(updates, state, params=None, *, num_tokens=None, emit=None,
                 **extra_args):
+    validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
     if extra_args and not takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
-    updates = validation.check_grads(updates, state.grad_sum, axis_name)
     tokens = validation.as_token_count("num_tokens", num_tokens)
+    updates = _checked_grads(updates, state.grad_sum, axis_name, num_tokens)
     drops = _drops(updates, tokens, state, params, skip_nonfinite, should_skip)
     contribution = token_weighting.contribution(
         tokens, loss_reduction, drop=drops.nonfinite | drops.skipped
@@ -334,7 +397,9 @@ def accumulate(
     )
     token_count = state.token_count + contribution.tokens
     micro_step = optax.safe_increment(state.micro_step)
-    emit = _should_emit(emit, micro_step, _cycle_length(every_k, state.count))
+    emit = _should_emit(
+        emit, micro_step, _cycle_length(every_k, state.count), axis_name
+    )
     emitter = _emitter(
         inner, axis_name, updates, state.inner_state, params, extra_args
     )

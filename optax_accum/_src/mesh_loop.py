@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import aux_reduction
 from optax_accum._src import axes
 from optax_accum._src import batching
 from optax_accum._src import sharding
@@ -31,59 +32,94 @@ def _mesh_axis_size(axis_name: axes.AxisName) -> int:
   return size
 
 
+def _batch_spec(axis: int | None, axis_name: axes.AxisName) -> P:
+  """A batch leaf's spec: split over the axis along ``axis``, or replicated."""
+  return P() if axis is None else P(*([None] * axis), axis_name)
+
+
+def _laid_out(x: Any, axis: int | None, axis_name: axes.AxisName) -> Any:
+  """Reshards an explicitly sharded ``x`` to :func:`_batch_spec`'s layout.
+
+  Along ``axis`` it is split over ``axis_name`` (None: replicated over it);
+  its other dimensions keep their sharding over other mesh axes.
+  """
+  spec = sharding.explicit_spec(x)
+  if spec is None:
+    return x
+  dropped = set(axes.axes_of(axis_name))
+  entries = list(spec) + [None] * (jnp.ndim(x) - len(spec))
+  kept = []
+  for entry in entries:
+    names = () if entry is None else axes.axes_of(entry)
+    names = tuple(n for n in names if n not in dropped)
+    kept.append(None if not names else names[0] if len(names) == 1 else names)
+  if axis is not None:
+    kept[axis] = axis_name
+  if tuple(kept) == tuple(entries):
+    return x
+  return jax.sharding.reshard(x, P(*kept))
+
+
 def over_mesh(
     data_parallel: Callable[..., Any],
     axis_name: axes.AxisName,
     num_microbatches: int,
+    batch_axes: Any,
     params: Any,
-    model_state: Any,
     batch: Any,
-    args: Any,
+    replicated: Any,
 ) -> Any:
   """Runs ``data_parallel`` in a shard_map over an axis of the current mesh.
 
   Args:
-    data_parallel: ``data_parallel(params, model_state, batch, args,
-      param_specs)`` returning ``(loss, grads, model_state, aux)``, run on each
-      device's shard with ``axis_name`` manual.
+    data_parallel: ``data_parallel(params, batch, replicated, param_specs)``
+      returning ``(loss, grads, model_state, aux)`` with ``aux`` an
+      :class:`aux_reduction.Parts`, run on each device's shard with
+      ``axis_name`` manual.
     axis_name: the mesh axis (or axes) the batch is sharded over.
     num_microbatches: micro-batches per device.
+    batch_axes: the split axis of each batch leaf (a prefix of ``batch``);
+      a leaf with None is replicated over the axis, not split.
     params: the parameters; those sharded over the axis (Explicit) are
       passed to ``data_parallel`` as shards, with their specs.
-    model_state: threaded model state or None, replicated over the axis.
-    batch: the global batch, split over the axis along its leading axis.
-    args: further arguments, replicated over the axis.
+    batch: the global batch, split over the axis along ``batch_axes``.
+    replicated: everything else the loop reads (model state, args, kwargs,
+      the PRNG key), replicated over the axis.
 
   Returns:
-    ``data_parallel``'s outputs; an ``aux`` leaf is concatenated over devices
-    along its first axis after the micro-batch axis.
+    ``data_parallel``'s outputs; a stacked ``aux`` leaf is concatenated over
+    devices along its first axis after the micro-batch axis, a reduced one
+    is the same on every device.
   """
   size = _mesh_axis_size(axis_name)
+  leaf_axes = batching.leaf_axes(batch, batch_axes)
   batching.check_divisible(
-      batching.batch_size(batch), num_microbatches, devices=size
+      batching.split_size(batch, leaf_axes), num_microbatches, devices=size
   )
+  leaves, treedef = jax.tree.flatten(batch)
+  batch_specs = treedef.unflatten(
+      [_batch_spec(a, axis_name) for a in leaf_axes])
   param_specs = jax.tree.map(lambda p: sharding.spec_over(p, axis_name), params)
   if axes.all_explicit(axis_name):
-    batch = jax.tree.map(
-        lambda x: sharding.without_axes(x, axis_name, True), batch
-    )
-    model_state, args = jax.tree.map(
-        lambda x: sharding.without_axes(x, axis_name, False),
-        (model_state, args),
-    )
+    batch = treedef.unflatten([
+        _laid_out(x, a, axis_name) for x, a in zip(leaves, leaf_axes)])
+    replicated = jax.tree.map(
+        lambda x: _laid_out(x, None, axis_name), replicated)
 
-  def body(params, model_state, batch, args):
+  def body(params, batch, replicated):
     loss, grads, model_state, aux = data_parallel(
-        params, model_state, batch, args, param_specs
+        params, batch, replicated, param_specs
     )
     # One entry per device for each micro-batch: concatenated over devices.
-    aux = jax.tree.map(lambda a: a[:, None] if jnp.ndim(a) == 1 else a, aux)
-    return loss, grads, model_state, aux
+    stacked = jax.tree.map(
+        lambda a: a[:, None] if jnp.ndim(a) == 1 else a, aux.stacked)
+    return loss, grads, model_state, aux._replace(stacked=stacked)
 
   sharded = jax.shard_map(
       body,
-      in_specs=(param_specs, P(), P(axis_name), P()),
-      out_specs=(P(), param_specs, P(), P(None, axis_name)),
+      in_specs=(param_specs, batch_specs, P()),
+      out_specs=(P(), param_specs, P(),
+                 aux_reduction.Parts(P(None, axis_name), P())),
       axis_names=set(axes.axes_of(axis_name)),
   )
-  return sharded(params, model_state, batch, tuple(args))
+  return sharded(params, batch, replicated)

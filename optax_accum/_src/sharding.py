@@ -120,7 +120,7 @@ def without_axes(x: Any, axis_name: axes.AxisName, leading: bool) -> Any:
   """
   sharding = getattr(jax.typeof(x), "sharding", None)
   spec = getattr(sharding, "spec", None)
-  if spec is None or jnp.ndim(x) == 0 and not leading:
+  if spec is None or (jnp.ndim(x) == 0 and not leading):
     return x
   dropped = set(axes.axes_of(axis_name))
   entries = list(spec) + [None] * (jnp.ndim(x) - len(spec))

@@ -5,6 +5,7 @@ names the argument, the value that was given and what was expected.
 """
 
 from collections.abc import Callable
+import difflib
 import math
 import numbers
 from typing import Any
@@ -136,13 +137,16 @@ def as_token_count(name: str, value: Any) -> jax.Array:
   if value is None:
     return jnp.ones([], jnp.float32)
   dtype = getattr(value, "dtype", None)
-  if isinstance(value, bool) or (
-      not isinstance(value, numbers.Number)
-      and (dtype is None or not jnp.issubdtype(dtype, jnp.number))
-  ) or (dtype is not None and jnp.issubdtype(dtype, jnp.bool_)):
+  if dtype is None:
+    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+  else:
+    is_real = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(
+        dtype, jnp.floating
+    )
+  if not is_real:
     raise TypeError(
-        f"{name} must be a number (the count of items the loss averaged or"
-        f" summed over), got {value!r} of type {type(value).__name__}."
+        f"{name} must be a real number (the count of items the loss averaged"
+        f" or summed over), got {value!r} of type {type(value).__name__}."
     )
   if jnp.ndim(value) != 0:
     raise ValueError(
@@ -150,11 +154,12 @@ def as_token_count(name: str, value: Any) -> jax.Array:
         f" summed over), got an array of shape {jnp.shape(value)}."
     )
   if _is_concrete(value):
-    number = float(value)
+    number = float(value)  # Python ints of any size, Fraction.
     if not math.isfinite(number) or number < 0:
       raise ValueError(
           f"{name} must be a finite number >= 0, got {value!r}."
       )
+    return jnp.asarray(number, jnp.float32)
   return jnp.asarray(value).astype(jnp.float32)
 
 
@@ -226,12 +231,15 @@ def check_device_local(name: str, tree: Any, axis_name: axes.AxisName) -> None:
 
 
 def check_grads(grads: Any, grad_sum: Any,
-                axis_name: axes.AxisName | None) -> Any:
+                axis_name: axes.AxisName | None, *,
+                check_local: bool = True) -> Any:
   """Returns the incoming gradients as arrays, checked against the state.
 
   Python scalars and NumPy arrays are accepted as optax accepts them. With
   ``axis_name`` the sum carries a leading slot axis, the axis must be bound
-  here (inside shard_map or pmap), and the gradients must be device-local.
+  here (inside shard_map or pmap), and the gradients must be device-local
+  (unless ``check_local`` is False: gradients that will not be looked at,
+  such as a flush's zeros).
   """
   if axis_name is not None:
     axes.check_bound(axis_name)
@@ -243,6 +251,61 @@ def check_grads(grads: Any, grad_sum: Any,
       "updates", grads, expected, "the params the state was built for"
   )
   grads = jax.tree.map(jnp.asarray, grads)
-  if axis_name is not None:
+  if axis_name is not None and check_local:
     check_device_local("updates", grads, axis_name)
   return grads
+
+
+def check_same_on_every_device(
+    name: str, value: jax.Array, axis_name: axes.AxisName
+) -> None:
+  """Raises if ``value`` may differ between devices of ``axis_name``.
+
+  Only where types tell (inside :func:`jax.shard_map` with ``check_vma``).
+  """
+  if not _tracks_varying(axis_name):
+    return
+  varying = set(axes.axes_of(axis_name)) & axes.varying_axes(value)
+  if varying:
+    raise ValueError(
+        f"{name} varies over axis {sorted(varying)}: every device must make"
+        " the same decision on the same call, since emitting sums over the"
+        " axis. Compute it from values that are the same on every device"
+        " (the step number, a host-side flag, or a jax.lax.psum of local"
+        " counts)."
+    )
+
+
+def refuse_near_misses(extra_args: dict[str, Any],
+                       own: tuple[str, ...]) -> None:
+  """Raises for keyword arguments that look like a typo of one of ``own``."""
+  for key in extra_args:
+    close = difflib.get_close_matches(key, own, n=1, cutoff=0.75)
+    if close:
+      raise TypeError(
+          f"Unexpected keyword argument {key!r} to update: did you mean"
+          f" {close[0]!r}? It would go on to the inner optimizer, which would"
+          " silently ignore it."
+      )
+
+
+def prefix_leaves(name: str, prefix: Any, tree: Any, tree_name: str) -> list:
+  """The entry of ``prefix`` that covers each leaf of ``tree``, in order.
+
+  ``prefix`` is a pytree prefix of ``tree`` (like :func:`jax.vmap`'s
+  ``in_axes``) whose leaves, None included, each stand for a whole subtree.
+  """
+  entries, prefix_def = jax.tree.flatten(prefix, is_leaf=lambda x: x is None)
+  try:
+    subtrees = prefix_def.flatten_up_to(tree)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f"{name} must be a single value or a pytree prefix of {tree_name};"
+        f" {name} has structure {prefix_def} but {tree_name} has structure"
+        f" {jax.tree.structure(tree)}."
+    ) from e
+  return [
+      entry
+      for entry, subtree in zip(entries, subtrees)
+      for _ in jax.tree.leaves(subtree)
+  ]

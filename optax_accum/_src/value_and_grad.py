@@ -1,4 +1,4 @@
-"""The micro-batch loop: a full batch's exact gradient, one micro-batch at a time."""
+"""The micro-batch loop: a full batch's exact gradient, by micro-batch."""
 
 from collections.abc import Callable
 import functools
@@ -9,9 +9,12 @@ from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import aux_reduction as aux_reduction_lib
 from optax_accum._src import axes
 from optax_accum._src import batching
+from optax_accum._src import loss_signature
 from optax_accum._src import mesh_loop
+from optax_accum._src import microbatch_rng
 from optax_accum._src import partial_sums
 from optax_accum._src import sharding
 from optax_accum._src import token_weighting
@@ -27,6 +30,24 @@ class _Sums(NamedTuple):
   grads: Any  # like params, dtype=accumulator_dtype.
   loss: jax.Array  # shape=(), dtype=accumulator_dtype.
   tokens: jax.Array  # shape=(), dtype=jnp.float32.
+  aux: aux_reduction_lib.Running | None  # None when aux is only stacked.
+
+
+class _AuxPlan(NamedTuple):
+  """How each aux leaf is reduced, and its shape (one micro-batch's)."""
+
+  reductions: list[str]
+  shapes: list[jax.ShapeDtypeStruct]
+  treedef: Any
+
+
+class _LoopOut(NamedTuple):
+  """What the loop gives besides its sums."""
+
+  model_state: Any
+  loss_dtype: Any  # the dtype loss_fn returns.
+  stacked: Any  # aux (or its stacked leaves), one entry per micro-batch.
+  plan: _AuxPlan | None  # None when aux is only stacked.
 
 
 class _Result(NamedTuple):
@@ -35,7 +56,7 @@ class _Result(NamedTuple):
   loss: jax.Array
   grads: Any
   model_state: Any
-  aux: Any
+  aux: aux_reduction_lib.Parts
 
 
 class _Options(NamedTuple):
@@ -48,40 +69,8 @@ class _Options(NamedTuple):
   loss_reduction: str
   axis_name: axes.AxisName | None
   accumulator_dtype: Any
-
-
-def _normalize(loss_fn, has_aux, has_state):
-  """``loss_fn`` as ``f(params, model_state, mb, args) -> (loss, (state, aux))``.
-
-  Missing parts come back as None, so that the loop has one shape to handle.
-  """
-
-  @functools.wraps(loss_fn)
-  def normalized(params, model_state, microbatch, args):
-    if has_state:
-      out = loss_fn(params, model_state, microbatch, *args)
-    else:
-      out = loss_fn(params, microbatch, *args)
-    if not (has_aux or has_state):
-      return out, (None, None)
-    if not isinstance(out, tuple) or len(out) != 2:
-      raise ValueError(
-          "loss_fn must return a pair (loss, aux) with has_aux=True or"
-          f" has_state=True, got {type(out).__name__}."
-      )
-    loss, rest = out
-    if not has_state:
-      return loss, (None, rest)
-    if not has_aux:
-      return loss, (rest, None)
-    if not isinstance(rest, tuple) or len(rest) != 2:
-      raise ValueError(
-          "With has_state=True and has_aux=True, loss_fn must return"
-          f" (loss, (new_model_state, aux)), got (loss, {type(rest).__name__})."
-      )
-    return loss, rest
-
-  return normalized
+  batch_axes: Any
+  aux_reduction: Any
 
 
 def _token_count(num_tokens_fn, microbatch):
@@ -92,7 +81,26 @@ def _token_count(num_tokens_fn, microbatch):
   )
 
 
-def _zero_sums(params, opts: _Options) -> _Sums:
+def _rng_for(inputs, index, opts):
+  if inputs.rng is None:
+    return None
+  return microbatch_rng.key_for(inputs.rng, index, opts.axis_name)
+
+
+def _aux_plan(loss, opts, params, inputs, batch_split) -> _AuxPlan | None:
+  """Micro-batch 0's aux shapes (traced, not run), when aux is reduced."""
+  if not aux_reduction_lib.is_running(opts.aux_reduction):
+    return None
+  microbatch = batching.take(batch_split, 0)
+  _, (_, aux) = jax.eval_shape(lambda: loss(
+      params, inputs.model_state, microbatch, inputs, _rng_for(inputs, 0, opts)
+  ))
+  shapes, treedef = jax.tree.flatten(aux)
+  reductions = aux_reduction_lib.per_leaf(opts.aux_reduction, aux)
+  return _AuxPlan(reductions, shapes, treedef)
+
+
+def _zero_sums(params, opts: _Options, plan: _AuxPlan | None) -> _Sums:
   sums = _Sums(
       # zeros_like keeps each parameter's sharding (model-parallel axes).
       grads=jax.tree.map(
@@ -100,6 +108,8 @@ def _zero_sums(params, opts: _Options) -> _Sums:
       ),
       loss=jnp.zeros([], opts.accumulator_dtype),
       tokens=jnp.zeros([], jnp.float32),
+      aux=None if plan is None else aux_reduction_lib.init(
+          plan.shapes, plan.reductions, opts.accumulator_dtype),
   )
   if opts.axis_name is not None:
     # The sums are this device's partial sums: they differ by device.
@@ -107,56 +117,72 @@ def _zero_sums(params, opts: _Options) -> _Sums:
   return sums
 
 
-def _loop(loss, opts: _Options, params, model_state, batch, args):
-  """The scan over this device's micro-batches: ``(sums, state, aux)``."""
-  microbatches = batching.split_microbatches(batch, opts.num_microbatches)
+def _loop(loss, opts: _Options, params, inputs: loss_signature.Inputs):
+  """The scan over this device's micro-batches: ``(sums, loop_out)``."""
+  batch_split = batching.split(
+      inputs.batch, opts.batch_axes, opts.num_microbatches,
+      sharded_layout_for_auto=opts.axis_name is None,
+  )
+  plan = _aux_plan(loss, opts, params, inputs, batch_split)
   value_and_grad_fn = jax.value_and_grad(loss, has_aux=True)
 
-  def step(carry, microbatch):
+  def step(carry, index):
     sums, model_state = carry
+    microbatch = batching.take(batch_split, index)
     (value, (model_state, aux)), grads = value_and_grad_fn(
-        params, model_state, microbatch, args
+        params, model_state, microbatch, inputs, _rng_for(inputs, index, opts)
     )
     if jnp.ndim(value) != 0:
       raise ValueError(
           f"loss_fn must return a scalar loss, got shape {jnp.shape(value)}."
       )
-    c = token_weighting.contribution(
-        _token_count(opts.num_tokens_fn, microbatch), opts.loss_reduction
-    )
+    tokens = _token_count(opts.num_tokens_fn, microbatch)
+    c = token_weighting.contribution(tokens, opts.loss_reduction)
+    running, stacked = sums.aux, aux
+    if plan is not None:
+      running, stacked = aux_reduction_lib.update(
+          running, jax.tree.leaves(aux), plan.reductions, tokens)
     sums = _Sums(
         grads=token_weighting.add(sums.grads, grads, c),
         loss=sums.loss + token_weighting.weighted(value, c, sums.loss.dtype),
         tokens=sums.tokens + c.tokens,
+        aux=running,
     )
-    return (sums, model_state), aux
+    # The per-micro-batch losses only tell their dtype: XLA drops them.
+    return (sums, model_state), (value, stacked)
 
   with jax.named_scope("optax_accum_microbatch_loop"):
-    (sums, model_state), aux = lax.scan(
-        step, (_zero_sums(params, opts), model_state), microbatches
+    (sums, model_state), (values, stacked) = lax.scan(
+        step, (_zero_sums(params, opts, plan), inputs.model_state),
+        jnp.arange(opts.num_microbatches),
     )
-  return sums, model_state, aux
+  return sums, _LoopOut(model_state, values.dtype, stacked, plan)
 
 
-def _means(sums: _Sums, params) -> tuple[jax.Array, Any]:
-  """The loss and gradient: the sums divided by the token count."""
+def _finish(sums: _Sums, out: _LoopOut, params) -> _Result:
+  """The loss, gradient and aux from the (device-reduced) sums."""
   grads = token_weighting.mean(sums.grads, sums.tokens, params)
-  loss = token_weighting.mean(sums.loss, sums.tokens, jnp.float32(0))
-  return loss, grads
+  loss = token_weighting.mean(
+      sums.loss, sums.tokens, jnp.zeros([], out.loss_dtype))
+  if out.plan is None:
+    aux = aux_reduction_lib.Parts(out.stacked, None)
+  else:
+    aux = aux_reduction_lib.finish(
+        sums.aux, out.stacked, out.plan.reductions, out.plan.shapes,
+        sums.tokens, out.plan.treedef)
+  return _Result(loss, grads, out.model_state, aux)
 
 
-def _single_device(loss, opts, params, model_state, batch, args) -> _Result:
-  sums, model_state, aux = _loop(loss, opts, params, model_state, batch, args)
-  return _Result(*_means(sums, params), model_state, aux)
+def _single_device(loss, opts, params, inputs) -> _Result:
+  return _finish(*_loop(loss, opts, params, inputs), params)
 
 
-def _data_parallel(loss, opts, params, model_state, batch, args,
-                   param_specs=None):
+def _data_parallel(loss, opts, params, inputs, param_specs=None):
   """Inside shard_map or pmap: local sums, then one reduction over the axis.
 
   Parameters that ``param_specs`` shard over the axis (FSDP) are gathered
   once, before the loop; their gradients are reduce-scattered back into
-  shards after it.
+  shards after it. Summed aux rides along in the gradient's reduction.
   """
   axis_name = opts.axis_name
   if param_specs is None:
@@ -165,46 +191,23 @@ def _data_parallel(loss, opts, params, model_state, batch, args,
   # Differentiate with respect to this device's copy of the parameters, so
   # that autodiff does not sum gradients over the axis on every micro-step.
   local_params = axes.device_local(full_params, axis_name)
-  if model_state is not None:
-    model_state = axes.floats_device_local(model_state, axis_name)
-  sums, model_state, aux = _loop(
-      loss, opts, local_params, model_state, batch, args
+  if inputs.model_state is not None:
+    inputs = inputs._replace(model_state=axes.floats_device_local(
+        inputs.model_state, axis_name))
+  sums, out = _loop(loss, opts, local_params, inputs)
+  running = sums.aux
+  grads, (loss_sum, tokens, aux_sums) = sharding.sum_into_shards(
+      sums.grads, param_specs,
+      (sums.loss, sums.tokens, None if running is None else running.sums),
+      axis_name,
   )
-  grads, (loss_sum, tokens) = sharding.sum_into_shards(
-      sums.grads, param_specs, (sums.loss, sums.tokens), axis_name
-  )
-  if model_state is not None:
-    model_state = partial_sums.mean_of_floats(model_state, axis_name)
-  loss_value, grads = _means(_Sums(grads, loss_sum, tokens), params)
-  return _Result(loss_value, grads, model_state, aux)
-
-
-def _split_call_args(rest, has_state):
-  """``(model_state, batch, args)`` from what follows ``params``."""
-  if has_state:
-    if len(rest) < 2:
-      raise TypeError(
-          "With has_state=True call fn(params, model_state, batch, *args)."
-      )
-    model_state, batch, *args = rest
-    return model_state, batch, tuple(args)
-  if not rest:
-    raise TypeError("Call fn(params, batch, *args).")
-  batch, *args = rest
-  return None, batch, tuple(args)
-
-
-def _pack(result: _Result, has_aux: bool, has_state: bool):
-  """The caller's output, shaped like :func:`jax.value_and_grad`'s."""
-  if has_state and has_aux:
-    value = (result.loss, (result.model_state, result.aux))
-  elif has_state:
-    value = (result.loss, result.model_state)
-  elif has_aux:
-    value = (result.loss, result.aux)
-  else:
-    value = result.loss
-  return value, result.grads
+  if running is not None:
+    running = aux_reduction_lib.extrema_over(
+        running._replace(sums=aux_sums), out.plan.reductions, axis_name)
+  if out.model_state is not None:
+    out = out._replace(model_state=partial_sums.mean_of_floats(
+        out.model_state, axis_name))
+  return _finish(_Sums(grads, loss_sum, tokens, running), out, params)
 
 
 def value_and_grad(
@@ -217,15 +220,18 @@ def value_and_grad(
     loss_reduction: str = "mean",
     axis_name: str | tuple[str, ...] | None = None,
     accumulator_dtype: Any = jnp.float32,
+    batch_axes: Any = 0,
+    aux_reduction: Any = "stack",
 ) -> Callable[..., Any]:
   r"""Like :func:`jax.value_and_grad`, over a batch split into micro-batches.
 
-  The batch is split along its leading axis into ``num_microbatches`` equal
-  micro-batches and a :func:`jax.lax.scan` computes one micro-batch's loss and
-  gradient at a time, so that only one micro-batch's activations are alive at
-  once. With ``n_i = num_tokens_fn(microbatch_i)`` and ``loss_reduction="mean"``
-  (``loss_fn`` returns a mean ``L_i`` over ``n_i`` items) the result is the
-  full batch's token-weighted mean
+  The batch is split along its leading axis (``batch_axes``) into
+  ``num_microbatches`` equal micro-batches and a :func:`jax.lax.scan` computes
+  one micro-batch's loss and gradient at a time, so that only one
+  micro-batch's activations are alive at once. With ``n_i =
+  num_tokens_fn(microbatch_i)`` and ``loss_reduction="mean"`` (``loss_fn``
+  returns a mean ``L_i`` over ``n_i`` items) the result is the full batch's
+  token-weighted mean
 
   .. math::
     L = \frac{\sum_i n_i L_i}{\sum_i n_i}, \qquad
@@ -235,7 +241,9 @@ def value_and_grad(
   micro-batches; with ``"sum"`` (``loss_fn`` returns a sum ``S_i``) it is
   :math:`\sum_i S_i / \sum_i n_i`. Without ``num_tokens_fn`` every micro-batch
   counts as one token. Sums are kept in ``accumulator_dtype``; the gradient
-  comes back in the parameters' dtype. A micro-batch with no tokens adds
+  comes back in the parameters' dtype and the loss in the dtype ``loss_fn``
+  returns (bfloat16 stays bfloat16, as with :func:`jax.value_and_grad`). A
+  micro-batch with no tokens adds
   nothing (its loss and gradient are not looked at), and a batch with no
   tokens gives a zero loss and zero gradient, not NaN. These are the rules
   of :func:`optax_accum.accumulate` too.
@@ -244,6 +252,19 @@ def value_and_grad(
   micro-batches with ``has_state=True``: ``loss_fn`` then takes the state after
   ``params`` and returns it updated next to the loss; micro-batch ``i`` sees the
   state that micro-batch ``i - 1`` produced and the final state is returned.
+
+  Randomness: ``fn(..., rng=key)`` gives micro-batch ``i`` its own key,
+  ``jax.random.fold_in(key, i)`` (with ``axis_name``, the device's index along
+  the axis is folded in first: ``fold_in(fold_in(key, lax.axis_index(
+  axis_name)), i)``), passed to ``loss_fn`` as ``rng=`` (without ``rng``,
+  none is passed): each micro-batch draws its own dropout mask.
+
+  Micro-batch ``i`` is rows ``[i * B // k, (i + 1) * B // k)`` along each
+  leaf's batch axis; without ``axis_name``, a batch sharded along it (Explicit
+  axes, or any batch under :func:`jax.set_mesh` with Auto axes) is split
+  strided instead, micro-batch ``i`` being rows ``i, i + k, i + 2k, ...``,
+  so that it is never resharded (XLA then reduces each micro-batch's
+  gradient over the devices; ``axis_name`` reduces once, after the loop).
 
   With ``axis_name`` (data parallelism) the partial sums stay on each device
   through the loop and are summed over the axis once, after it: one reduction
@@ -258,19 +279,22 @@ def value_and_grad(
   one device's slice, like under pmap. Parameters sharded over the axis
   (FSDP, Explicit axes) are all-gathered once before the loop and their
   gradients reduce-scattered back to the parameters' sharding after it. In
-  that mode an ``aux`` leaf comes back concatenated over devices along its
-  first axis after the micro-batch axis (a scalar becomes one entry per
-  device). With ``has_state`` and ``axis_name``, the floating leaves of the
-  model state are averaged over the axis after the loop.
+  that mode a stacked ``aux`` leaf comes back concatenated over devices
+  along its first axis after the micro-batch axis (a scalar becomes one entry
+  per device); ``*args``, ``**kwargs``, ``rng`` and batch leaves with
+  ``batch_axes`` None are replicated. With ``has_state`` and ``axis_name``,
+  the floating leaves of the model state are averaged over the axis after
+  the loop.
 
   Args:
-    loss_fn: ``loss_fn(params, microbatch, *args)`` returning a scalar loss, or
-      ``(loss, aux)`` with ``has_aux``. With ``has_state`` it is
-      ``loss_fn(params, model_state, microbatch, *args)`` returning
-      ``(loss, new_model_state)``, or ``(loss, (new_model_state, aux))``.
+    loss_fn: ``loss_fn(params, microbatch, *args, **kwargs)`` returning a
+      scalar loss, or ``(loss, aux)`` with ``has_aux``. With ``has_state`` it
+      is ``loss_fn(params, model_state, microbatch, *args, **kwargs)``
+      returning ``(loss, new_model_state)``, or ``(loss, (new_model_state,
+      aux))``. It also takes ``rng=`` when ``fn`` is called with a key.
     num_microbatches: how many micro-batches to split the batch into.
-    has_aux: whether ``loss_fn`` returns auxiliary data; it comes back stacked
-      along a new leading axis, one entry per micro-batch in order.
+    has_aux: whether ``loss_fn`` returns auxiliary data, reduced over the
+      micro-batches as ``aux_reduction`` says.
     has_state: whether ``loss_fn`` threads model state (see above).
     num_tokens_fn: maps a micro-batch to its scalar weight, e.g. its number of
       unmasked tokens. None weighs every micro-batch the same.
@@ -279,12 +303,23 @@ def value_and_grad(
     axis_name: data-parallel axis (or axes) to sum over once after the loop:
       a manual axis (shard_map, pmap) or an axis of the current mesh (jit).
     accumulator_dtype: floating dtype of the running sums.
+    batch_axes: the axis of each batch leaf to split into micro-batches: an
+      int, None, or a pytree prefix of ``batch`` of those (like
+      :func:`jax.vmap`'s ``in_axes``). None passes the leaf whole to every
+      micro-batch (a scalar, a per-batch table). Errors name the leaf.
+    aux_reduction: ``"stack"`` (one entry per micro-batch along a new
+      leading axis, in order), ``"mean"`` (weighted by the micro-batches'
+      token counts: a per-token metric such as accuracy comes back as the
+      full batch's; 0 without tokens), ``"sum"``, ``"max"``, ``"min"``, or a
+      pytree prefix of ``aux`` of those; reduced in the loop's carry and,
+      with ``axis_name``, over the devices once after the loop.
 
   Returns:
-    A function ``fn(params, batch, *args)`` (``fn(params, model_state, batch,
-    *args)`` with ``has_state``) returning ``(loss, grads)``; with ``has_aux``,
-    ``((loss, aux), grads)``; with ``has_state``, ``((loss, model_state),
-    grads)``, or ``((loss, (model_state, aux)), grads)`` with both.
+    A function ``fn(params, batch, *args, rng=None, **kwargs)``
+    (``fn(params, model_state, batch, ...)`` with ``has_state``) returning
+    ``(loss, grads)``; with ``has_aux``, ``((loss, aux), grads)``; with
+    ``has_state``, ``((loss, model_state), grads)``, or ``((loss,
+    (model_state, aux)), grads)`` with both.
 
   Examples:
     >>> import jax
@@ -301,6 +336,24 @@ def value_and_grad(
     (Array(2., dtype=float32), Array(5.3333335, dtype=float32))
     >>> jax.value_and_grad(loss_fn)(jnp.float32(1.0), batch)  # the full batch
     (Array(2., dtype=float32), Array(5.3333335, dtype=float32))
+
+    Dropout with a key per micro-batch, and a metric that is the full
+    batch's: 2 of its 3 unmasked rows are hits (the mean of the micro-batches'
+    hit rates, 1/1 and 1/2, would be 0.75):
+
+    >>> def dropout_loss(w, mb, *, rng):
+    ...   keep = jax.random.bernoulli(rng, 0.5, mb['x'].shape)
+    ...   x = jnp.where(keep, 2 * mb['x'], 0.0)
+    ...   err = mb['mask'] * (x * w - mb['y']) ** 2
+    ...   n = jnp.maximum(mb['mask'].sum(), 1)
+    ...   hit = (mb['mask'] * ((mb['y'] - mb['x'] * w) ** 2 < 1.5)).sum() / n
+    ...   return err.sum() / n, {'hit': hit}
+    >>> fn = oa.value_and_grad(dropout_loss, num_microbatches=2, has_aux=True,
+    ...                        num_tokens_fn=lambda mb: mb['mask'].sum(),
+    ...                        aux_reduction='mean')
+    >>> (loss, aux), grad = fn(jnp.float32(1.0), batch, rng=jax.random.key(0))
+    >>> aux['hit']
+    Array(0.6666667, dtype=float32)
   """
   opts = _Options(
       num_microbatches=validation.check_positive_int(
@@ -314,23 +367,31 @@ def value_and_grad(
       loss_reduction=validation.check_loss_reduction(loss_reduction),
       axis_name=validation.check_axis_name(axis_name),
       accumulator_dtype=validation.check_accumulator_dtype(accumulator_dtype),
+      batch_axes=batching.check_batch_axes(batch_axes),
+      aux_reduction=aux_reduction_lib.check(aux_reduction, has_aux),
   )
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
-  loss = _normalize(loss_fn, opts.has_aux, opts.has_state)
+  loss = loss_signature.normalize(loss_fn, opts.has_aux, opts.has_state)
 
   @functools.wraps(loss_fn)
-  def fn(params, *rest):
-    model_state, batch, args = _split_call_args(rest, opts.has_state)
+  def fn(params, *rest, rng=None, **kwargs):
+    model_state, batch, args = loss_signature.split_call_args(
+        rest, opts.has_state)
+    inputs = loss_signature.Inputs(
+        model_state, batch, args, kwargs, microbatch_rng.check(rng))
     if opts.axis_name is None:
-      result = _single_device(loss, opts, params, model_state, batch, args)
+      result = _single_device(loss, opts, params, inputs)
     elif axes.is_bound(opts.axis_name):
-      result = _data_parallel(loss, opts, params, model_state, batch, args)
+      result = _data_parallel(loss, opts, params, inputs)
     else:
       result = _Result(*mesh_loop.over_mesh(
-          functools.partial(_data_parallel, loss, opts), opts.axis_name,
-          opts.num_microbatches, params, model_state, batch, args,
+          lambda p, b, rest, specs: _data_parallel(
+              loss, opts, p, rest._replace(batch=b), specs),
+          opts.axis_name, opts.num_microbatches, opts.batch_axes,
+          params, batch, inputs._replace(batch=None),
       ))
-    return _pack(result, opts.has_aux, opts.has_state)
+    result = result._replace(aux=aux_reduction_lib.merge(result.aux))
+    return loss_signature.pack(result, opts.has_aux, opts.has_state)
 
   return fn

@@ -1,0 +1,107 @@
+"""The README's Flax NNX recipe for oa.value_and_grad, checked by hand.
+
+A model with BatchNorm and Dropout is split into parameters and the rest of
+its state (BatchNorm statistics, the Dropout's ``nnx.Rngs`` stream), the rest
+is threaded through the micro-batches with ``has_state=True``, and each
+micro-batch reseeds the dropout stream with the key ``rng=`` hands it.
+"""
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import helpers
+import optax_accum as oa
+from optax_accum._src import microbatch_rng
+
+K = 4
+
+
+class Net(nnx.Module):
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(3, 8, rngs=rngs)
+    self.norm = nnx.BatchNorm(8, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5, rngs=rngs)
+    self.out = nnx.Linear(8, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.dropout(nnx.relu(self.norm(self.linear(x)))))
+
+
+def _recipe():
+  model = Net(nnx.Rngs(params=0, dropout=1))
+  graphdef, _, _ = nnx.split(model, nnx.Param, ...)
+
+  def nnx_loss(params, model_state, mb, *, rng):
+    model = nnx.merge(graphdef, params, model_state, copy=True)
+    nnx.reseed(model, dropout=rng)
+    loss = jnp.mean((model(mb["x"]) - mb["y"]) ** 2)
+    return loss, nnx.state(model, nnx.Not(nnx.Param))
+
+  return model, nnx_loss
+
+
+def _batch(seed=0):
+  rng = np.random.default_rng(seed)
+  return {"x": jnp.asarray(rng.normal(size=(32, 3)), jnp.float32),
+          "y": jnp.asarray(rng.normal(size=(32, 2)), jnp.float32)}
+
+
+def _by_hand(step, params, model_state, batch, keys):
+  """The micro-batches one by one: the mean loss and gradient, final state."""
+  losses, grads = [], []
+  for mb, key in zip(helpers.split(batch, K), keys):
+    (loss, model_state), g = step(params, model_state, mb, rng=key)
+    losses.append(loss)
+    grads.append(g)
+  return np.mean(losses), jax.tree.map(lambda *g: sum(g) / K, *grads), \
+      model_state
+
+
+def test_nnx_recipe_threads_state_and_draws_a_mask_per_micro_batch():
+  model, nnx_loss = _recipe()
+  _, params, model_state = nnx.split(model, nnx.Param, ...)
+  grad_fn = jax.jit(oa.value_and_grad(nnx_loss, num_microbatches=K,
+                                      has_state=True))
+  rng = jax.random.key(1)
+  (loss, new_state), grads = grad_fn(params, model_state, _batch(), rng=rng)
+
+  keys = [microbatch_rng.key_for(rng, i) for i in range(K)]
+  step = jax.jit(jax.value_and_grad(nnx_loss, has_aux=True))
+  expected_loss, expected_grads, expected_state = _by_hand(
+      step, params, model_state, _batch(), keys)
+  np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+  helpers.assert_trees_close(grads, expected_grads, rtol=1e-4, atol=1e-6)
+  helpers.assert_trees_close(new_state["norm"], expected_state["norm"],
+                             rtol=1e-5, atol=1e-7)
+  assert not helpers.trees_close(new_state["norm"], model_state["norm"])
+
+  # Negative control: one key for every micro-batch gives other masks.
+  _, same_key_grads, _ = _by_hand(step, params, model_state, _batch(),
+                                  [rng] * K)
+  assert not helpers.trees_close(same_key_grads, expected_grads, rtol=1e-2)
+
+
+def test_nnx_recipe_trains_with_nnx_optimizer():
+  model, nnx_loss = _recipe()
+  grad_fn = oa.value_and_grad(nnx_loss, num_microbatches=K, has_state=True)
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer, batch, rng):
+    _, params, model_state = nnx.split(model, nnx.Param, ...)
+    (loss, model_state), grads = grad_fn(params, model_state, batch, rng=rng)
+    nnx.update(model, model_state)
+    optimizer.update(model, grads)
+    return loss
+
+  before = jax.tree.map(np.array, nnx.state(model, nnx.Param))
+  losses = [float(train_step(model, optimizer, _batch(), jax.random.key(s)))
+            for s in range(2)]
+  assert np.all(np.isfinite(losses))
+  assert int(optimizer.step[...]) == 2
+  after = jax.tree.map(np.array, nnx.state(model, nnx.Param))
+  assert not helpers.trees_close(after, before)
