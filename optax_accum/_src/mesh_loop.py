@@ -73,9 +73,9 @@ def over_mesh(
 
   Args:
     data_parallel: ``data_parallel(params, batch, replicated, param_specs)``
-      returning ``(loss, grads, model_state, aux)`` with ``aux`` an
-      :class:`aux_reduction.Parts`, run on each device's shard with
-      ``axis_name`` manual.
+      returning ``(loss, grads, model_state, aux, stats)`` with ``aux`` an
+      :class:`aux_reduction.Parts` and ``stats`` reduced over the axis (or
+      None), run on each device's shard with ``axis_name`` manual.
     axis_name: the mesh axis (or axes) the batch is sharded over.
     num_microbatches: micro-batches per device.
     batch_axes: the split axis of each batch leaf (a prefix of ``batch``);
@@ -107,19 +107,19 @@ def over_mesh(
         lambda x: _laid_out(x, None, axis_name), replicated)
 
   def body(params, batch, replicated):
-    loss, grads, model_state, aux = data_parallel(
+    loss, grads, model_state, aux, stats = data_parallel(
         params, batch, replicated, param_specs
     )
     # One entry per device for each micro-batch: concatenated over devices.
     stacked = jax.tree.map(
         lambda a: a[:, None] if jnp.ndim(a) == 1 else a, aux.stacked)
-    return loss, grads, model_state, aux._replace(stacked=stacked)
+    return loss, grads, model_state, aux._replace(stacked=stacked), stats
 
   sharded = jax.shard_map(
       body,
       in_specs=(param_specs, batch_specs, P()),
       out_specs=(P(), param_specs, P(),
-                 aux_reduction.Parts(P(None, axis_name), P())),
+                 aux_reduction.Parts(P(None, axis_name), P()), P()),
       axis_names=set(axes.axes_of(axis_name)),
   )
   return sharded(params, batch, replicated)

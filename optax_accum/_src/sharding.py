@@ -135,3 +135,21 @@ def without_axes(x: Any, axis_name: axes.AxisName, leading: bool) -> Any:
   if tuple(target) == tuple(entries):
     return x
   return jax.sharding.reshard(x, target)
+
+
+def sq_norm_of_shards(tree: Any, specs: Any, sq_norm: Any) -> jax.Array:
+  """The squared norm of a tree whose leaves are shards laid out by ``specs``.
+
+  Replicated leaves count once; sharded ones are summed over their axes, one
+  scalar reduction for each distinct set of axes.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  by_axes: dict[tuple[str, ...], list[Any]] = {}
+  for leaf, spec in zip(leaves, treedef.flatten_up_to(specs)):
+    names = tuple(sorted({a for _, d in sharded_dims(spec) for a in d}))
+    by_axes.setdefault(names, []).append(leaf)
+  total = jnp.zeros([], jnp.float32)
+  for names, group in by_axes.items():
+    part = sq_norm(group)
+    total += lax.psum(part, names) if names else part
+  return total

@@ -2,10 +2,9 @@
 
 from collections.abc import Callable
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -14,167 +13,16 @@ from optax_accum._src import axes
 from optax_accum._src import batching
 from optax_accum._src import loss_signature
 from optax_accum._src import mesh_loop
+from optax_accum._src import microbatch_loop as loop_lib
 from optax_accum._src import microbatch_rng
+from optax_accum._src import noise_scale
 from optax_accum._src import partial_sums
 from optax_accum._src import sharding
-from optax_accum._src import token_weighting
 from optax_accum._src import validation
 
-# Kept importable from here: the split is part of this module's contract.
-split_microbatches = batching.split_microbatches
 
-
-class _Sums(NamedTuple):
-  """The loop's running sums (per device under ``axis_name``)."""
-
-  grads: Any  # like params, dtype=accumulator_dtype.
-  loss: jax.Array  # shape=(), dtype=accumulator_dtype.
-  tokens: jax.Array  # shape=(), dtype=jnp.float32.
-  aux: aux_reduction_lib.Running | None  # None when aux is only stacked.
-
-
-class _AuxPlan(NamedTuple):
-  """How each aux leaf is reduced, and its shape (one micro-batch's)."""
-
-  reductions: list[str]
-  shapes: list[jax.ShapeDtypeStruct]
-  treedef: Any
-
-
-class _LoopOut(NamedTuple):
-  """What the loop gives besides its sums."""
-
-  model_state: Any
-  loss_dtype: Any  # the dtype loss_fn returns.
-  stacked: Any  # aux (or its stacked leaves), one entry per micro-batch.
-  plan: _AuxPlan | None  # None when aux is only stacked.
-
-
-class _Result(NamedTuple):
-  """What the loop hands back, before it is packed for the caller."""
-
-  loss: jax.Array
-  grads: Any
-  model_state: Any
-  aux: aux_reduction_lib.Parts
-
-
-class _Options(NamedTuple):
-  """The validated settings of one :func:`value_and_grad`."""
-
-  num_microbatches: int
-  has_aux: bool
-  has_state: bool
-  num_tokens_fn: Callable[[Any], Any] | None
-  loss_reduction: str
-  axis_name: axes.AxisName | None
-  accumulator_dtype: Any
-  batch_axes: Any
-  aux_reduction: Any
-
-
-def _token_count(num_tokens_fn, microbatch):
-  if num_tokens_fn is None:
-    return jnp.ones([], jnp.float32)
-  return validation.as_token_count(
-      "num_tokens_fn(microbatch)", num_tokens_fn(microbatch)
-  )
-
-
-def _rng_for(inputs, index, opts):
-  if inputs.rng is None:
-    return None
-  return microbatch_rng.key_for(inputs.rng, index, opts.axis_name)
-
-
-def _aux_plan(loss, opts, params, inputs, batch_split) -> _AuxPlan | None:
-  """Micro-batch 0's aux shapes (traced, not run), when aux is reduced."""
-  if not aux_reduction_lib.is_running(opts.aux_reduction):
-    return None
-  microbatch = batching.take(batch_split, 0)
-  _, (_, aux) = jax.eval_shape(lambda: loss(
-      params, inputs.model_state, microbatch, inputs, _rng_for(inputs, 0, opts)
-  ))
-  shapes, treedef = jax.tree.flatten(aux)
-  reductions = aux_reduction_lib.per_leaf(opts.aux_reduction, aux)
-  return _AuxPlan(reductions, shapes, treedef)
-
-
-def _zero_sums(params, opts: _Options, plan: _AuxPlan | None) -> _Sums:
-  sums = _Sums(
-      # zeros_like keeps each parameter's sharding (model-parallel axes).
-      grads=jax.tree.map(
-          lambda p: jnp.zeros_like(p, dtype=opts.accumulator_dtype), params
-      ),
-      loss=jnp.zeros([], opts.accumulator_dtype),
-      tokens=jnp.zeros([], jnp.float32),
-      aux=None if plan is None else aux_reduction_lib.init(
-          plan.shapes, plan.reductions, opts.accumulator_dtype),
-  )
-  if opts.axis_name is not None:
-    # The sums are this device's partial sums: they differ by device.
-    sums = axes.device_local(sums, opts.axis_name)
-  return sums
-
-
-def _loop(loss, opts: _Options, params, inputs: loss_signature.Inputs):
-  """The scan over this device's micro-batches: ``(sums, loop_out)``."""
-  batch_split = batching.split(
-      inputs.batch, opts.batch_axes, opts.num_microbatches,
-      sharded_layout_for_auto=opts.axis_name is None,
-  )
-  plan = _aux_plan(loss, opts, params, inputs, batch_split)
-  value_and_grad_fn = jax.value_and_grad(loss, has_aux=True)
-
-  def step(carry, index):
-    sums, model_state = carry
-    microbatch = batching.take(batch_split, index)
-    (value, (model_state, aux)), grads = value_and_grad_fn(
-        params, model_state, microbatch, inputs, _rng_for(inputs, index, opts)
-    )
-    if jnp.ndim(value) != 0:
-      raise ValueError(
-          f"loss_fn must return a scalar loss, got shape {jnp.shape(value)}."
-      )
-    tokens = _token_count(opts.num_tokens_fn, microbatch)
-    c = token_weighting.contribution(tokens, opts.loss_reduction)
-    running, stacked = sums.aux, aux
-    if plan is not None:
-      running, stacked = aux_reduction_lib.update(
-          running, jax.tree.leaves(aux), plan.reductions, tokens)
-    sums = _Sums(
-        grads=token_weighting.add(sums.grads, grads, c),
-        loss=sums.loss + token_weighting.weighted(value, c, sums.loss.dtype),
-        tokens=sums.tokens + c.tokens,
-        aux=running,
-    )
-    # The per-micro-batch losses only tell their dtype: XLA drops them.
-    return (sums, model_state), (value, stacked)
-
-  with jax.named_scope("optax_accum_microbatch_loop"):
-    (sums, model_state), (values, stacked) = lax.scan(
-        step, (_zero_sums(params, opts, plan), inputs.model_state),
-        jnp.arange(opts.num_microbatches),
-    )
-  return sums, _LoopOut(model_state, values.dtype, stacked, plan)
-
-
-def _finish(sums: _Sums, out: _LoopOut, params) -> _Result:
-  """The loss, gradient and aux from the (device-reduced) sums."""
-  grads = token_weighting.mean(sums.grads, sums.tokens, params)
-  loss = token_weighting.mean(
-      sums.loss, sums.tokens, jnp.zeros([], out.loss_dtype))
-  if out.plan is None:
-    aux = aux_reduction_lib.Parts(out.stacked, None)
-  else:
-    aux = aux_reduction_lib.finish(
-        sums.aux, out.stacked, out.plan.reductions, out.plan.shapes,
-        sums.tokens, out.plan.treedef)
-  return _Result(loss, grads, out.model_state, aux)
-
-
-def _single_device(loss, opts, params, inputs) -> _Result:
-  return _finish(*_loop(loss, opts, params, inputs), params)
+def _single_device(loss, opts, params, inputs) -> loop_lib.Result:
+  return loop_lib.finish(*loop_lib.loop(loss, opts, params, inputs), params)
 
 
 def _data_parallel(loss, opts, params, inputs, param_specs=None):
@@ -182,7 +30,8 @@ def _data_parallel(loss, opts, params, inputs, param_specs=None):
 
   Parameters that ``param_specs`` shard over the axis (FSDP) are gathered
   once, before the loop; their gradients are reduce-scattered back into
-  shards after it. Summed aux rides along in the gradient's reduction.
+  shards after it. Summed aux and the noise-scale sums ride along in the
+  gradient's reduction.
   """
   axis_name = opts.axis_name
   if param_specs is None:
@@ -194,11 +43,12 @@ def _data_parallel(loss, opts, params, inputs, param_specs=None):
   if inputs.model_state is not None:
     inputs = inputs._replace(model_state=axes.floats_device_local(
         inputs.model_state, axis_name))
-  sums, out = _loop(loss, opts, local_params, inputs)
+  sums, out = loop_lib.loop(loss, opts, local_params, inputs)
   running = sums.aux
-  grads, (loss_sum, tokens, aux_sums) = sharding.sum_into_shards(
+  grads, (loss_sum, tokens, aux_sums, stats) = sharding.sum_into_shards(
       sums.grads, param_specs,
-      (sums.loss, sums.tokens, None if running is None else running.sums),
+      (sums.loss, sums.tokens, None if running is None else running.sums,
+       sums.stats),
       axis_name,
   )
   if running is not None:
@@ -207,7 +57,9 @@ def _data_parallel(loss, opts, params, inputs, param_specs=None):
   if out.model_state is not None:
     out = out._replace(model_state=partial_sums.mean_of_floats(
         out.model_state, axis_name))
-  return _finish(_Sums(grads, loss_sum, tokens, running), out, params)
+  sums = loop_lib.Sums(grads, loss_sum, tokens, running, stats)
+  return loop_lib.finish(sums, out, params, sq_norm=lambda tree: (
+      sharding.sq_norm_of_shards(tree, param_specs, noise_scale.sq_norm)))
 
 
 def value_and_grad(
@@ -222,6 +74,7 @@ def value_and_grad(
     accumulator_dtype: Any = jnp.float32,
     batch_axes: Any = 0,
     aux_reduction: Any = "stack",
+    with_stats: bool = False,
 ) -> Callable[..., Any]:
   r"""Like :func:`jax.value_and_grad`, over a batch split into micro-batches.
 
@@ -313,13 +166,18 @@ def value_and_grad(
       full batch's; 0 without tokens), ``"sum"``, ``"max"``, ``"min"``, or a
       pytree prefix of ``aux`` of those; reduced in the loop's carry and,
       with ``axis_name``, over the devices once after the loop.
+    with_stats: if True, ``fn`` also returns an :class:`optax_accum.GradStats`
+      estimated from the micro-batch gradients (the gradient noise scale:
+      see :func:`optax_accum.grad_stats`), at the cost of one squared norm per
+      micro-batch and, with ``axis_name``, two scalars in the one reduction.
 
   Returns:
     A function ``fn(params, batch, *args, rng=None, **kwargs)``
     (``fn(params, model_state, batch, ...)`` with ``has_state``) returning
     ``(loss, grads)``; with ``has_aux``, ``((loss, aux), grads)``; with
     ``has_state``, ``((loss, model_state), grads)``, or ``((loss,
-    (model_state, aux)), grads)`` with both.
+    (model_state, aux)), grads)`` with both; with ``with_stats``, the
+    stats come third: ``(value, grads, stats)``.
 
   Examples:
     >>> import jax
@@ -355,7 +213,7 @@ def value_and_grad(
     >>> aux['hit']
     Array(0.6666667, dtype=float32)
   """
-  opts = _Options(
+  opts = loop_lib.Options(
       num_microbatches=validation.check_positive_int(
           "num_microbatches", num_microbatches
       ),
@@ -369,6 +227,7 @@ def value_and_grad(
       accumulator_dtype=validation.check_accumulator_dtype(accumulator_dtype),
       batch_axes=batching.check_batch_axes(batch_axes),
       aux_reduction=aux_reduction_lib.check(aux_reduction, has_aux),
+      with_stats=validation.check_bool("with_stats", with_stats),
   )
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
@@ -385,13 +244,16 @@ def value_and_grad(
     elif axes.is_bound(opts.axis_name):
       result = _data_parallel(loss, opts, params, inputs)
     else:
-      result = _Result(*mesh_loop.over_mesh(
+      result = loop_lib.Result(*mesh_loop.over_mesh(
           lambda p, b, rest, specs: _data_parallel(
               loss, opts, p, rest._replace(batch=b), specs),
           opts.axis_name, opts.num_microbatches, opts.batch_axes,
           params, batch, inputs._replace(batch=None),
       ))
     result = result._replace(aux=aux_reduction_lib.merge(result.aux))
-    return loss_signature.pack(result, opts.has_aux, opts.has_state)
+    value, grads = loss_signature.pack(result, opts.has_aux, opts.has_state)
+    if opts.with_stats:
+      return value, grads, result.stats
+    return value, grads
 
   return fn
