@@ -2,12 +2,20 @@
 
 from optax_accum._src.accumulate import accumulate as accumulate
 from optax_accum._src.accumulate import AccumulateState as AccumulateState
-from optax_accum._src.coupled import coupled_value_and_grad as coupled_value_and_grad
 from optax_accum._src.axes import device_local as device_local
+from optax_accum._src.coupled import (
+    coupled_value_and_grad as coupled_value_and_grad,
+)
 from optax_accum._src.hlo import CollectiveCounts as CollectiveCounts
 from optax_accum._src.hlo import count_collectives as count_collectives
-from optax_accum._src.partition_specs import state_partition_specs as state_partition_specs
-from optax_accum._src.state_lookup import find_accumulate_state as find_accumulate_state
+from optax_accum._src.noise_scale import GradStats as GradStats
+from optax_accum._src.partition_specs import (
+    state_partition_specs as state_partition_specs,
+)
+from optax_accum._src.state_lookup import (
+    find_accumulate_state as find_accumulate_state,
+)
+from optax_accum._src.state_lookup import grad_stats as grad_stats
 from optax_accum._src.state_lookup import has_updated as has_updated
 from optax_accum._src.value_and_grad import value_and_grad as value_and_grad
 
@@ -16,11 +24,13 @@ __version__ = "0.1.0"
 __all__ = (
     "AccumulateState",
     "CollectiveCounts",
+    "GradStats",
     "accumulate",
     "count_collectives",
     "coupled_value_and_grad",
     "device_local",
     "find_accumulate_state",
+    "grad_stats",
     "has_updated",
     "state_partition_specs",
     "value_and_grad",

@@ -8,7 +8,9 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
-from optax_accum._src import axes
+from optax_accum._src import emitting
+from optax_accum._src import incoming_grads
+from optax_accum._src import noise_scale
 from optax_accum._src import partial_sums
 from optax_accum._src import token_weighting
 from optax_accum._src import validation
@@ -52,10 +54,14 @@ class AccumulateState(NamedTuple):
   emitted: jax.Array  # shape=(), dtype=jnp.bool_.
   nonfinite_count: jax.Array  # shape=() or (slots,), dtype=jnp.int32.
   skipped_count: jax.Array  # shape=() or (slots,), dtype=jnp.int32.
+  stats_sums: noise_scale.StatsSums | None  # float32 scalars or (slots,).
+  stats: noise_scale.GradStats | None  # float32 scalars.
 
 
-# The fields of AccumulateState that hold a per-device scalar under axis_name.
-PER_DEVICE_COUNTS = ("token_count", "nonfinite_count", "skipped_count")
+# The fields of AccumulateState that hold per-device scalars under axis_name.
+PER_DEVICE_COUNTS = (
+    "token_count", "nonfinite_count", "skipped_count", "stats_sums"
+)
 
 
 class _Drops(NamedTuple):
@@ -130,118 +136,42 @@ def _should_emit(emit, micro_step, length, axis_name):
   return emit
 
 
-def _checked_grads(updates, grad_sum, axis_name, num_tokens):
-  """The incoming gradients as floating arrays, checked against the state.
-
-  A micro-step known at trace time to have no tokens (a flush:
-  ``num_tokens=0``) is never looked at, so its zeros need not be
-  device-local.
-  """
-  no_tokens = num_tokens is not None and not isinstance(
-      num_tokens, jax.core.Tracer) and float(num_tokens) == 0
-  updates = validation.check_grads(updates, grad_sum, axis_name,
-                                   check_local=not no_tokens)
-  return _as_inexact(updates, grad_sum)
-
-
-def _sum_dtype(param, accumulator_dtype):
-  """The running sum's dtype: complex parameters get a complex sum."""
-  if jnp.iscomplexobj(param):
-    return jnp.result_type(accumulator_dtype, jnp.complex64)
-  return accumulator_dtype
-
-
-def _as_inexact(grads, grad_sum):
-  """Gradients as floating (or complex) arrays, checked against the sum.
-
-  Integer and bool leaves (a Python ``0`` for an unused parameter) take the
-  sum's dtype, so that their mean is not rounded to an integer. A complex
-  gradient for a real sum would lose its imaginary part: refused.
-  """
-
-  def convert(path, g, s):
-    if jnp.iscomplexobj(g) and not jnp.iscomplexobj(s):
-      raise TypeError(
-          f"updates{jax.tree_util.keystr(path)} is complex ({g.dtype}) but"
-          f" the parameters it is for are real (the sum is {s.dtype}): its"
-          " imaginary part would be lost. Initialise with complex"
-          " parameters."
-      )
-    if jnp.issubdtype(g.dtype, jnp.inexact):
-      return g
-    return g.astype(s.dtype)
-
-  return jax.tree_util.tree_map_with_path(convert, grads, grad_sum)
-
-
-class _Emitter(NamedTuple):
-  """Runs ``inner`` on the cycle's mean, or hands back zero updates."""
-
-  inner: optax.GradientTransformationExtraArgs
-  axis_name: axes.AxisName | None
-  params: Any
-  extra_args: dict[str, Any]
-  like_grads: Any  # the gradients' tree: the mean takes their dtypes.
-  like_updates: Any  # ShapeDtypeStructs of inner's updates.
-
-  def run_inner(self, grad_sum, token_count, inner_state):
-    mean = token_weighting.mean(grad_sum, token_count, self.like_grads)
-    updates, new_state = self.inner.update(
-        mean, inner_state, self.params, **self.extra_args
-    )
-    return updates, optax.tree.cast_like(new_state, inner_state)
-
-  def skip_inner(self, grad_sum, token_count, inner_state):
-    del grad_sum, token_count
-    return partial_sums.zeros_like_partials(self.like_updates), inner_state
-
-  def emit(self, grad_sum, token_count, inner_state):
-    """The emitting branch: ``(updates, inner_state, whether it updated)``."""
-    with jax.named_scope("optax_accum_emit"):
-      if self.axis_name is not None:
-        # The one reduction over devices per optimizer update.
-        grad_sum, token_count = partial_sums.sum_partials(
-            (grad_sum, token_count), self.axis_name
-        )
-        token_count = token_count.reshape(())
-      updated = token_weighting.has_tokens(token_count)
-      updates, inner_state = lax.cond(
-          updated, self.run_inner, self.skip_inner, grad_sum, token_count,
-          inner_state,
-      )
-      return updates, inner_state, updated
-
-  def skip(self, grad_sum, token_count, inner_state):
-    return (*self.skip_inner(grad_sum, token_count, inner_state),
-            jnp.bool_(False))
-
-
-def _emitter(inner, axis_name, updates, inner_state, params, extra_args):
-  like_updates = jax.eval_shape(
-      lambda s: inner.update(
-          partial_sums.like_summed(updates, axis_name), s, params,
-          **extra_args,
-      )[0],
-      inner_state,
-  )
-  return _Emitter(inner, axis_name, params, extra_args, updates, like_updates)
-
-
 def _increment_where(flag, counter):
   return jnp.where(flag, optax.safe_increment(counter), counter)
 
 
-def _next_state(state, micro_step, emit, updated, grad_sum, token_count,
-                inner_state, drops):
+def _zero_where(flag, tree):
+  return jax.tree.map(lambda x: jnp.where(flag, jnp.zeros_like(x), x), tree)
+
+
+def _next_state(state, micro_step, emit, cycle: emitting.Cycle,
+                emitted: emitting.Emitted, drops):
   return AccumulateState(
-      micro_step=jnp.where(emit, jnp.zeros_like(micro_step), micro_step),
-      count=_increment_where(updated, state.count),
-      grad_sum=grad_sum,
-      token_count=jnp.where(emit, jnp.zeros_like(token_count), token_count),
-      inner_state=inner_state,
-      emitted=updated,
+      micro_step=_zero_where(emit, micro_step),
+      count=_increment_where(emitted.updated, state.count),
+      grad_sum=cycle.grad_sum,  # reset lazily: see _add_to_sum.
+      token_count=_zero_where(emit, cycle.token_count),
+      inner_state=emitted.inner_state,
+      emitted=emitted.updated,
       nonfinite_count=_increment_where(drops.nonfinite, state.nonfinite_count),
       skipped_count=_increment_where(drops.skipped, state.skipped_count),
+      stats_sums=_zero_where(emit, cycle.stats_sums),
+      stats=emitted.stats,
+  )
+
+
+def _cycle_after(state, grads, contribution, loss_reduction) -> emitting.Cycle:
+  """The running sums with this micro-step added."""
+  stats_sums = state.stats_sums
+  if stats_sums is not None:
+    stats_sums = noise_scale.add(stats_sums, grads, contribution,
+                                 loss_reduction)
+  return emitting.Cycle(
+      grad_sum=_add_to_sum(
+          state.grad_sum, grads, contribution, state.micro_step == 0
+      ),
+      token_count=state.token_count + contribution.tokens,
+      stats_sums=stats_sums,
   )
 
 
@@ -254,6 +184,7 @@ def accumulate(
     axis_name: str | tuple[str, ...] | None = None,
     skip_nonfinite: bool = False,
     should_skip: Callable[[Any, Any, Any], Any] | None = None,
+    with_stats: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates micro-batch gradients and updates once per cycle.
 
@@ -310,6 +241,10 @@ def accumulate(
       bool scalar: a micro-step for which it is true adds nothing, like a
       non-finite one, and ``state.skipped_count`` counts it. ``state`` is
       this transformation's state before the call.
+    with_stats: if True, each emitting call also estimates the gradient
+      noise scale from the cycle's micro-step gradients (read it with
+      :func:`optax_accum.grad_stats`): one squared norm per micro-step, and
+      with ``axis_name`` two scalars more in the one reduction per update.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose ``update`` takes
@@ -352,6 +287,7 @@ def accumulate(
   axis_name = validation.check_axis_name(axis_name)
   skip_nonfinite = validation.check_bool("skip_nonfinite", skip_nonfinite)
   should_skip = validation.check_optional_callable("should_skip", should_skip)
+  with_stats = validation.check_bool("with_stats", with_stats)
   validation.check_transformation("inner", inner)
   takes_extra_args = isinstance(inner, optax.GradientTransformationExtraArgs)
   inner = optax.with_extra_args_support(inner)
@@ -370,7 +306,7 @@ def accumulate(
         count=jnp.zeros([], jnp.int32),
         grad_sum=jax.tree.map(
             lambda p: partial_zeros(
-                jnp.shape(p), _sum_dtype(p, accumulator_dtype)
+                jnp.shape(p), incoming_grads.sum_dtype(p, accumulator_dtype)
             ),
             params,
         ),
@@ -379,6 +315,10 @@ def accumulate(
         emitted=jnp.zeros([], jnp.bool_),
         nonfinite_count=partial_zeros((), jnp.int32),
         skipped_count=partial_zeros((), jnp.int32),
+        stats_sums=noise_scale.StatsSums(
+            partial_zeros((), jnp.float32), partial_zeros((), jnp.float32)
+        ) if with_stats else None,
+        stats=noise_scale.nan_stats() if with_stats else None,
     )
 
   def update_fn(updates, state, params=None, *, num_tokens=None, emit=None,
@@ -387,28 +327,26 @@ def accumulate(
     if extra_args and not takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
     tokens = validation.as_token_count("num_tokens", num_tokens)
-    updates = _checked_grads(updates, state.grad_sum, axis_name, num_tokens)
+    updates = incoming_grads.checked_grads(
+        updates, state.grad_sum, axis_name, num_tokens
+    )
     drops = _drops(updates, tokens, state, params, skip_nonfinite, should_skip)
     contribution = token_weighting.contribution(
         tokens, loss_reduction, drop=drops.nonfinite | drops.skipped
     )
-    grad_sum = _add_to_sum(
-        state.grad_sum, updates, contribution, state.micro_step == 0
-    )
-    token_count = state.token_count + contribution.tokens
+    cycle = _cycle_after(state, updates, contribution, loss_reduction)
     micro_step = optax.safe_increment(state.micro_step)
     emit = _should_emit(
         emit, micro_step, _cycle_length(every_k, state.count), axis_name
     )
-    emitter = _emitter(
+    emitter = emitting.emitter(
         inner, axis_name, updates, state.inner_state, params, extra_args
     )
-    new_updates, inner_state, updated = lax.cond(
-        emit, emitter.emit, emitter.skip, grad_sum, token_count,
-        state.inner_state,
+    emitted = lax.cond(
+        emit, emitter.emit, emitter.skip, cycle, state.inner_state,
+        state.stats,
     )
-    new_state = _next_state(state, micro_step, emit, updated, grad_sum,
-                            token_count, inner_state, drops)
-    return new_updates, new_state
+    new_state = _next_state(state, micro_step, emit, cycle, emitted, drops)
+    return emitted.updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -99,8 +99,10 @@ def init(shapes: list[Any], reductions: list[str], accumulator_dtype: Any):
     else:
       sums.append(None)
     if r in ("max", "min"):
-      extrema.append(jnp.full(shape.shape, _extreme(shape.dtype, r),
-                              shape.dtype, out_sharding=spec))
+      # zeros + fill, not jnp.full: its out_sharding needs jax >= 0.10.2.
+      zeros = jnp.zeros(shape.shape, shape.dtype, out_sharding=spec)
+      extrema.append(zeros + jnp.asarray(_extreme(shape.dtype, r),
+                                         shape.dtype))
     else:
       extrema.append(None)
   return Running(sums, extrema)

@@ -62,6 +62,12 @@ class StatsSums(NamedTuple):
   num_microbatches: jax.Array  # shape=(), float32: micro-batches counted.
 
 
+def nan_stats() -> GradStats:
+  """Statistics before any estimate: NaN, with no micro-batches."""
+  nan = jnp.full([], jnp.nan, jnp.float32)
+  return GradStats(nan, nan, nan, jnp.zeros([], jnp.float32))
+
+
 def zero_sums() -> StatsSums:
   return StatsSums(jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
 

@@ -110,8 +110,9 @@ def state_partition_specs(
         is_leaf=lambda x: isinstance(x, P),
     )
     for name in accumulate_lib.PER_DEVICE_COUNTS:
-      if jnp.ndim(getattr(node, name)) == 1:
-        fields[name] = P(slot)
+      fields[name] = jax.tree.map(
+          lambda x: P(slot) if jnp.ndim(x) == 1 else P(), getattr(node, name)
+      )
     return type(node)(**fields)
 
   return specs_of(state, grad_sum, spec_tree_for(grad_sum))

@@ -6,6 +6,7 @@ from typing import Any
 import jax
 
 from optax_accum._src import accumulate as accumulate_lib
+from optax_accum._src import noise_scale
 
 
 def _is_state(node: Any) -> bool:
@@ -108,3 +109,39 @@ def has_updated(state: Any) -> jax.Array:
     Array(False, dtype=bool)
   """
   return find_accumulate_state(state).emitted
+
+
+def grad_stats(state: Any) -> noise_scale.GradStats:
+  """The gradient noise statistics of the last cycle that emitted.
+
+  Args:
+    state: the state of :func:`optax_accum.accumulate` built with
+      ``with_stats=True``, or an optimizer state containing one.
+
+  Returns:
+    An :class:`optax_accum.GradStats`; NaN before the first emitting call.
+
+  Raises:
+    ValueError: if the state was built without ``with_stats=True``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_accum as oa
+    >>> tx = oa.accumulate(optax.sgd(0.1), every_k=2, with_stats=True)
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> for g, n in (([3.0, 1.0], 2), ([1.0, -1.0], 2)):
+    ...   _, state = tx.update({'w': jnp.array(g)}, state, params, num_tokens=n)
+    >>> stats = oa.grad_stats(state)
+    >>> # mean [2, 0]: tr = (2*|g1|^2 + 2*|g2|^2 - 4*|mean|^2) / (2 - 1)
+    >>> stats.trace_cov, stats.grad_sq_norm  # (20 + 4 - 16) / 1, 4 - 8/4
+    (Array(8., dtype=float32), Array(2., dtype=float32))
+  """
+  found = find_accumulate_state(state)
+  if found.stats is None:
+    raise ValueError(
+        "state holds no gradient statistics: build the transformation with"
+        " optax_accum.accumulate(..., with_stats=True)."
+    )
+  return found.stats

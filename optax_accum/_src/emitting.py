@@ -1,0 +1,106 @@
+"""The emitting branch of :func:`optax_accum.accumulate`.
+
+On the call that ends a cycle, the running sums of this device (and, with
+``axis_name``, of every device, in the one reduction per update) become the
+token-weighted mean that ``inner`` is run on; a cycle without tokens hands
+back zero updates instead and leaves ``inner``'s state alone. Every other
+call takes the skipping branch. Both are branches of a ``lax.cond`` that only
+reads the running sum, so that XLA keeps a non-emitting call in place (see
+``accumulate._add_to_sum``).
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import optax
+
+from optax_accum._src import axes
+from optax_accum._src import noise_scale
+from optax_accum._src import partial_sums
+from optax_accum._src import token_weighting
+
+
+class Cycle(NamedTuple):
+  """The running sums of a cycle: what the conditional reads."""
+
+  grad_sum: Any  # like params; per device under axis_name.
+  token_count: jax.Array  # per device under axis_name.
+  stats_sums: noise_scale.StatsSums | None  # None without with_stats.
+
+
+class Emitted(NamedTuple):
+  """What either branch hands back."""
+
+  updates: Any
+  inner_state: Any
+  updated: jax.Array  # shape=(), bool: inner ran on a cycle with tokens.
+  stats: noise_scale.GradStats | None  # this cycle's, or the previous ones.
+
+
+class Emitter(NamedTuple):
+  """Runs ``inner`` on the cycle's mean, or hands back zero updates."""
+
+  inner: optax.GradientTransformationExtraArgs
+  axis_name: axes.AxisName | None
+  params: Any
+  extra_args: dict[str, Any]
+  like_grads: Any  # the gradients' tree: the mean takes their dtypes.
+  like_updates: Any  # ShapeDtypeStructs of inner's updates.
+
+  def run_inner(self, grad_sum, token_count, inner_state):
+    mean = token_weighting.mean(grad_sum, token_count, self.like_grads)
+    updates, new_state = self.inner.update(
+        mean, inner_state, self.params, **self.extra_args
+    )
+    return updates, optax.tree.cast_like(new_state, inner_state)
+
+  def skip_inner(self, grad_sum, token_count, inner_state):
+    del grad_sum, token_count
+    return partial_sums.zeros_like_partials(self.like_updates), inner_state
+
+  def emit(self, cycle: Cycle, inner_state, stats) -> Emitted:
+    """The emitting branch."""
+    del stats  # replaced by this cycle's.
+    with jax.named_scope("optax_accum_emit"):
+      if self.axis_name is not None:
+        # The one reduction over devices per optimizer update.
+        cycle = partial_sums.sum_partials(cycle, self.axis_name)
+        cycle = cycle._replace(token_count=cycle.token_count.reshape(()))
+      updated = token_weighting.has_tokens(cycle.token_count)
+      updates, inner_state = lax.cond(
+          updated, self.run_inner, self.skip_inner, cycle.grad_sum,
+          cycle.token_count, inner_state,
+      )
+      return Emitted(updates, inner_state, updated, _stats_of(cycle))
+
+  def skip(self, cycle: Cycle, inner_state, stats) -> Emitted:
+    updates, inner_state = self.skip_inner(
+        cycle.grad_sum, cycle.token_count, inner_state
+    )
+    return Emitted(updates, inner_state, jnp.bool_(False), stats)
+
+
+def _stats_of(cycle: Cycle) -> noise_scale.GradStats | None:
+  """The noise statistics of a (device-reduced) cycle."""
+  if cycle.stats_sums is None:
+    return None
+  # |mean|^2 from the sum in the accumulator's precision.
+  count = jnp.where(cycle.token_count == 0, 1.0, cycle.token_count)
+  mean_sq_norm = noise_scale.sq_norm(cycle.grad_sum) / jnp.square(count)
+  return noise_scale.estimate_from_norm(
+      cycle.stats_sums, mean_sq_norm, cycle.token_count
+  )
+
+
+def emitter(inner, axis_name, grads, inner_state, params, extra_args):
+  """The :class:`Emitter` of one ``update`` call."""
+  like_updates = jax.eval_shape(
+      lambda s: inner.update(
+          partial_sums.like_summed(grads, axis_name), s, params,
+          **extra_args,
+      )[0],
+      inner_state,
+  )
+  return Emitter(inner, axis_name, params, extra_args, grads, like_updates)

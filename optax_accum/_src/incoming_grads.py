@@ -1,0 +1,56 @@
+"""What a micro-step hands :func:`optax_accum.accumulate`: its gradients.
+
+optax accepts gradient leaves that are Python scalars or NumPy arrays; a
+micro-step's gradients are checked against the state (structure, shapes,
+device-locality under ``axis_name``) and made floating, so that the running
+sum and its mean keep the parameters' kind of number.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from optax_accum._src import validation
+
+
+def checked_grads(updates, grad_sum, axis_name, num_tokens):
+  """The incoming gradients as floating arrays, checked against the state.
+
+  A micro-step known at trace time to have no tokens (a flush:
+  ``num_tokens=0``) is never looked at, so its zeros need not be
+  device-local.
+  """
+  no_tokens = num_tokens is not None and not isinstance(
+      num_tokens, jax.core.Tracer) and float(num_tokens) == 0
+  updates = validation.check_grads(updates, grad_sum, axis_name,
+                                   check_local=not no_tokens)
+  return as_inexact(updates, grad_sum)
+
+
+def sum_dtype(param, accumulator_dtype):
+  """The running sum's dtype: complex parameters get a complex sum."""
+  if jnp.iscomplexobj(param):
+    return jnp.result_type(accumulator_dtype, jnp.complex64)
+  return accumulator_dtype
+
+
+def as_inexact(grads, grad_sum):
+  """Gradients as floating (or complex) arrays, checked against the sum.
+
+  Integer and bool leaves (a Python ``0`` for an unused parameter) take the
+  sum's dtype, so that their mean is not rounded to an integer. A complex
+  gradient for a real sum would lose its imaginary part: refused.
+  """
+
+  def convert(path, g, s):
+    if jnp.iscomplexobj(g) and not jnp.iscomplexobj(s):
+      raise TypeError(
+          f"updates{jax.tree_util.keystr(path)} is complex ({g.dtype}) but"
+          f" the parameters it is for are real (the sum is {s.dtype}): its"
+          " imaginary part would be lost. Initialise with complex"
+          " parameters."
+      )
+    if jnp.issubdtype(g.dtype, jnp.inexact):
+      return g
+    return g.astype(s.dtype)
+
+  return jax.tree_util.tree_map_with_path(convert, grads, grad_sum)
