@@ -2,7 +2,8 @@
 
 Usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_JSON
 
-Joins the other processes on 127.0.0.1:PORT over gloo, shards a global batch
+Gives itself LOCAL_DEVICES simulated CPU devices, joins the other processes
+on 127.0.0.1:PORT over gloo, shards a global batch
 over the ``data`` axis of a mesh of every process's CPU devices, runs
 ``oa.value_and_grad(..., axis_name="data")`` under ``jax.jit`` and writes the
 loss, the gradient and the step's collective counts to OUT_JSON. Importing
@@ -16,8 +17,9 @@ import sys
 import jax
 import numpy as np
 
-import toy_models
+import helpers
 
+LOCAL_DEVICES = 2  # per process.
 NUM_MICROBATCHES = 2
 BATCH, SEQ, DIM = 16, 4, 8
 
@@ -25,13 +27,13 @@ BATCH, SEQ, DIM = 16, 4, 8
 def data():
   rng = np.random.default_rng(0)
   lengths = rng.integers(0, SEQ + 1, size=BATCH)  # uneven token counts.
-  return toy_models.padded_batch(rng, lengths, SEQ, DIM)
+  return helpers.padded_batch(rng, lengths, SEQ, DIM)
 
 
 def params():
-  """The parameters of :func:`toy_models.linear_token_losses`, in numpy.
+  """The parameters of :func:`helpers.linear_token_losses`, in numpy.
 
-  Not ``toy_models.linear_params``: numpy's float32 ``linspace`` differs from
+  Not ``helpers.linear_params``: numpy's float32 ``linspace`` differs from
   jax's in the last bits, and these are the values this test has always used.
   """
   return {
@@ -41,19 +43,21 @@ def params():
 
 
 def mean_loss(params, batch):
-  return toy_models.safe_mean(
-      toy_models.linear_token_losses(params, batch), batch
+  return helpers.safe_mean(
+      helpers.linear_token_losses(params, batch), batch
   )
 
 
-num_tokens = toy_models.num_tokens
+num_tokens = helpers.num_tokens
 
 
 def main(process_id: int, num_processes: int, port: int, out: str) -> None:
   # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P
+
   import optax_accum as oa
 
+  jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
       coordinator_address=f"127.0.0.1:{port}",

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+import helpers
 import optax_accum as oa
 
 SEQ, DIM = 4, 3
@@ -42,20 +43,13 @@ def _micro_batches():
   micro_batches = []
   for _ in range(NUM_MICRO_STEPS):
     lengths = rng.integers(0, SEQ + 1, size=2)
-    micro_batches.append({
-        "x": jnp.asarray(rng.normal(size=(2, SEQ, DIM)), jnp.float32),
-        "y": jnp.asarray(rng.normal(size=(2, SEQ)), jnp.float32),
-        "mask": jnp.asarray(
-            np.arange(SEQ)[None, :] < lengths[:, None], jnp.float32
-        ),
-    })
+    micro_batch = helpers.padded_batch(rng, lengths, SEQ, DIM)
+    micro_batches.append(jax.tree.map(jnp.asarray, micro_batch))
   return micro_batches
 
 
 def _loss(params, batch):
-  pred = jnp.tanh(batch["x"] @ params["w"] + params["b"])
-  err = batch["mask"] * (pred - batch["y"]) ** 2
-  return err.sum() / jnp.maximum(batch["mask"].sum(), 1.0)
+  return helpers.safe_mean(helpers.linear_token_losses(params, batch), batch)
 
 
 def _make_step(tx):
@@ -75,14 +69,6 @@ def _save_and_restore(path, tree, abstract_tree):
     checkpointer.save(path, tree)
     checkpointer.wait_until_finished()
     return checkpointer.restore(path, abstract_tree)
-
-
-def _assert_bitwise_equal(tree, expected):
-  chex.assert_trees_all_equal_structs(tree, expected)
-  for leaf, expected_leaf in zip(jax.tree.leaves(tree),
-                                 jax.tree.leaves(expected)):
-    assert leaf.dtype == expected_leaf.dtype
-    np.testing.assert_array_equal(np.asarray(leaf), np.asarray(expected_leaf))
 
 
 def test_state_is_a_pytree_of_arrays():
@@ -134,12 +120,12 @@ def test_resume_mid_cycle_matches_uninterrupted_run_bit_for_bit(tmp_path):
   abstract = jax.eval_shape(lambda: (_params(), _tx().init(_params())))
   restored = _save_and_restore(tmp_path / "mid_cycle", saved, abstract)
   assert isinstance(restored[1], oa.AccumulateState)
-  _assert_bitwise_equal(restored, saved)
+  helpers.assert_trees_equal(restored, saved)
 
   params, opt_state = restored
   for i in range(INTERRUPT_AFTER, NUM_MICRO_STEPS):
     params, opt_state = step(params, opt_state, micro_batches[i])
-    _assert_bitwise_equal((params, opt_state), uninterrupted[i])
+    helpers.assert_trees_equal((params, opt_state), uninterrupted[i])
   assert int(opt_state.count) == NUM_MICRO_STEPS // EVERY_K
 
   # Restarting the cycle (keeping only params and the inner optimizer's state)

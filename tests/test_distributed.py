@@ -7,21 +7,17 @@ token counts) and counts the collectives of the compiled program with
 ``optax.MultiSteps`` are counted next to ours for comparison.
 """
 
-import importlib.util
-import pathlib
-import re
-
-import chex
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+import helpers
 import optax_accum as oa
-import toy_models
+import test_examples
 
 N = 8  # simulated devices (tests/conftest.py).
 K = 2  # micro-batches per device and step.
@@ -32,21 +28,21 @@ def _data(seed=0):
   rng = np.random.default_rng(seed)
   lengths = rng.integers(0, SEQ + 1, size=BATCH)
   lengths[:4] = [0, 4, 1, 0]  # a micro-batch with no tokens on device 0.
-  batch = toy_models.padded_batch(rng, lengths, SEQ, DIM)
+  batch = helpers.padded_batch(rng, lengths, SEQ, DIM)
   return jax.tree.map(jnp.asarray, batch)
 
 
 def _params():
-  return toy_models.linear_params(DIM)
+  return helpers.linear_params(DIM)
 
 
 def mean_loss(params, batch):
-  return toy_models.safe_mean(
-      toy_models.linear_token_losses(params, batch), batch
+  return helpers.safe_mean(
+      helpers.linear_token_losses(params, batch), batch
   )
 
 
-num_tokens = toy_models.num_tokens
+num_tokens = helpers.num_tokens
 
 
 def _expected():
@@ -56,7 +52,7 @@ def _expected():
 def _assert_matches_full_batch(loss, grads):
   expected_loss, expected_grads = _expected()
   np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
-  chex.assert_trees_all_close(grads, expected_grads, rtol=1e-5, atol=1e-6)
+  helpers.assert_trees_close(grads, expected_grads, rtol=1e-5, atol=1e-6)
 
 
 def _fn(**kwargs):
@@ -286,7 +282,7 @@ def test_value_and_grad_under_jit_returns_aux_and_model_state():
 
 def test_value_and_grad_names_the_problem_with_the_axis_or_batch():
   fn = _fn(axis_name="data")
-  with pytest.raises(ValueError, match="jax.set_mesh"):
+  with pytest.raises(ValueError, match=r"jax\.set_mesh"):
     jax.jit(fn)(_params(), _data())
   with jax.set_mesh(_mesh(AxisType.Auto)):
     with pytest.raises(ValueError, match=r"24 .* 2 \* 8"):
@@ -335,7 +331,7 @@ def test_accumulate_in_shard_map_reduces_only_in_the_emitting_branch(
     # Micro-step i of a cycle: every device's i-th slice of the batch.
     microbatches = [
         jax.device_put(jax.tree.map(
-            lambda x: x.reshape((N, K, -1) + x.shape[1:])[:, i].reshape(
+            lambda x, i=i: x.reshape((N, K, -1) + x.shape[1:])[:, i].reshape(
                 (-1,) + x.shape[1:]), _data()), P("data"))
         for i in range(K)
     ]
@@ -345,7 +341,7 @@ def test_accumulate_in_shard_map_reduces_only_in_the_emitting_branch(
     counts = oa.count_collectives(
         step.lower(params, state, microbatches[0]).compile()
     )
-  chex.assert_trees_all_close(
+  helpers.assert_trees_close(
       params, _reference_trajectory(inner, 2), rtol=1e-5, atol=1e-6
   )
   assert counts.total == counts.in_branch == {"all-reduce": 1}
@@ -364,7 +360,7 @@ def test_accumulate_in_shard_map_initialised_inside_it():
       step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
   ))(_params(), _data())
   _, grads = _expected()
-  chex.assert_trees_all_close(
+  helpers.assert_trees_close(
       params, jax.tree.map(lambda p, g: p - g, _params(), grads),
       rtol=1e-5, atol=1e-6,
   )
@@ -390,7 +386,7 @@ def test_accumulate_in_shard_map_skips_one_devices_nonfinite_micro_step():
     ))
     params, state = step(params, state, poisoned)
   _, grads = jax.value_and_grad(mean_loss)(_params(), kept)
-  chex.assert_trees_all_close(
+  helpers.assert_trees_close(
       params, jax.tree.map(lambda p, g: p - g, _params(), grads),
       rtol=1e-5, atol=1e-6,
   )
@@ -418,8 +414,8 @@ def test_accumulate_in_pmap_reduces_only_in_the_emitting_branch():
   for _ in range(2):
     for i in range(K):
       params, state = pstep(params, state, jax.tree.map(
-          lambda x: x[:, i], batch))
-  chex.assert_trees_all_close(
+          lambda x, i=i: x[:, i], batch))
+  helpers.assert_trees_close(
       jax.tree.map(lambda p: p[0], params), _reference_trajectory(inner, 2),
       rtol=1e-5, atol=1e-6,
   )
@@ -461,7 +457,7 @@ def test_multisteps_communicates_on_every_micro_step():
 def test_accumulate_under_plain_jit_names_the_axis():
   tx = oa.accumulate(optax.sgd(0.1), every_k=1, axis_name="data")
   params = _params()
-  with pytest.raises(ValueError, match="shard_map or jax.pmap"):
+  with pytest.raises(ValueError, match=r"shard_map or jax\.pmap"):
     jax.jit(tx.update)(params, tx.init(params), params)
 
 
@@ -528,7 +524,7 @@ def test_accumulate_on_a_2d_mesh_in_shard_map_with_sharded_params():
         step, in_specs=(param_specs, specs, P("data")),
         out_specs=(param_specs, specs),
     ))(params, state, jax.device_put(_data(), P("data")))
-  chex.assert_trees_all_close(
+  helpers.assert_trees_close(
       params, _reference_trajectory(inner, 1), rtol=1e-5, atol=1e-6
   )
 
@@ -537,11 +533,9 @@ def test_accumulate_on_a_2d_mesh_in_shard_map_with_sharded_params():
 
 
 @pytest.mark.parametrize("axis_types", ["auto", "explicit"])
-def test_mesh_2d_example_matches_the_single_device_full_batch(axis_types):
-  path = pathlib.Path(__file__).parents[1] / "examples" / "mesh_2d.py"
-  spec = importlib.util.spec_from_file_location("mesh_2d", path)
-  mesh_2d = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mesh_2d)
+def test_mesh_2d_example_matches_the_single_device_full_batch(
+    axis_types, capsys):
+  mesh_2d = test_examples.import_example("mesh_2d/main")
   results = mesh_2d.main(
       ["--k", "2", "--steps", "2", "--axis-types", axis_types]
   )
@@ -550,7 +544,7 @@ def test_mesh_2d_example_matches_the_single_device_full_batch(axis_types):
   )
   assert results["grad_max_abs_diff"] < 1e-5
   assert results["param_max_abs_diff"] < 1e-5
-  assert results["grad_specs"] == mesh_2d.PARAM_SPECS
+  assert results["grad_specs"] == mesh_2d.train.model.PARAM_SPECS
   # In the loop only what the model needs on its own; over "data" only after.
   counts = results["collectives"]
   assert counts.in_loop == results["model_only_collectives"].in_loop
@@ -560,20 +554,26 @@ def test_mesh_2d_example_matches_the_single_device_full_batch(axis_types):
   assert sum(results["naive_collectives"].in_loop.values()) > sum(
       counts.in_loop.values()
   )
+  # The same, by mesh axis: the one collective in the loop is over "model"
+  # (the model's own); over "data", one all-reduce after the loop.
+  by_axis = results["collectives_by_axis"]
+  assert set(by_axis) == {"data", "model"}, by_axis
+  assert by_axis["data"].in_loop == {}
+  assert by_axis["data"].outside == {"all-reduce": 1}
+  assert by_axis["model"].in_loop == results["model_only_collectives"].in_loop
+  assert results["naive_collectives_by_axis"]["data"].in_loop
+  printed = capsys.readouterr().out
+  assert "optax_accum     data   none" in printed, printed
 
 
 def test_docs_distributed_snippets_run_and_print_what_they_say(capsys):
   """The ```python blocks of docs/distributed.md, in order, in one namespace."""
-  text = (pathlib.Path(__file__).parents[1] / "docs" / "distributed.md").read_text()
-  blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-  assert len(blocks) >= 5
-  namespace = {}
-  for block in blocks:
-    exec(block, namespace)  # pylint: disable=exec-used
+  namespace = helpers.run_markdown_snippets("docs/distributed.md", min_blocks=5)
   printed = capsys.readouterr().out.splitlines()
   assert printed[:3] == [
       "{} {'all-reduce': 1}",
       "P('data',) {}",
       "True {'all-reduce': 1} {}",
   ]
-  assert bool(oa.has_updated(jax.tree.map(lambda x: x[0], namespace["p_state"])))
+  first_device = jax.tree.map(lambda x: x[0], namespace["p_state"])
+  assert bool(oa.has_updated(first_device))

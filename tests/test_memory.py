@@ -89,7 +89,7 @@ def test_vmapped_micro_batches_do_not_save_memory():
 def _update_temp_bytes(tx, params):
   """Temp memory of a donated ``tx.update`` (state and gradients donated)."""
   state = jax.eval_shape(tx.init, params)
-  update = jax.jit(lambda g, s, p: tx.update(g, s, p), donate_argnums=(0, 1))
+  update = jax.jit(tx.update, donate_argnums=(0, 1))
   return update.lower(params, state, params).compile().memory_analysis(
   ).temp_size_in_bytes
 

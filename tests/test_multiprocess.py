@@ -1,6 +1,7 @@
 """Two JAX processes on loopback agree with the single-process full batch.
 
-Each process has 2 CPU devices; gloo carries the collectives between them.
+Each process has 2 simulated CPU devices (``jax_num_cpu_devices``, set by the
+worker itself); gloo carries the collectives between them.
 The global batch is sharded over a 4-device ``data`` axis and
 ``oa.value_and_grad(..., axis_name="data")`` runs under ``jax.jit``.
 """
@@ -13,10 +14,10 @@ import subprocess
 import sys
 import time
 
-import chex
 import jax
 import numpy as np
 
+import helpers
 import multiprocess_worker as problem
 
 NUM_PROCESSES = 2
@@ -33,14 +34,14 @@ def _free_port():
 def _run_workers(tmp_path):
   """Starts the processes, waits for all, kills all on failure or timeout."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join(
       [str(WORKER.parent), env.get("PYTHONPATH", "")]
   )
   port = _free_port()
   outs = [tmp_path / f"process_{i}.json" for i in range(NUM_PROCESSES)]
-  logs = [open(tmp_path / f"process_{i}.log", "w") for i in range(NUM_PROCESSES)]
+  logs = [open(tmp_path / f"process_{i}.log", "w")
+          for i in range(NUM_PROCESSES)]
   processes = [
       subprocess.Popen(
           [sys.executable, str(WORKER), str(i), str(NUM_PROCESSES), str(port),
@@ -79,10 +80,10 @@ def test_two_processes_agree_with_the_single_process_full_batch(tmp_path):
   )
   assert sorted(r["process_index"] for r in results) == [0, 1]
   for result in results:
-    assert result["device_count"] == 4
-    assert result["local_device_count"] == 2
+    assert result["device_count"] == NUM_PROCESSES * problem.LOCAL_DEVICES
+    assert result["local_device_count"] == problem.LOCAL_DEVICES
     np.testing.assert_allclose(result["loss"], expected_loss, rtol=1e-5)
-    chex.assert_trees_all_close(
+    helpers.assert_trees_close(
         {name: np.asarray(g) for name, g in result["grads"].items()},
         jax.tree.map(np.asarray, expected_grads),
         rtol=1e-5, atol=1e-6,

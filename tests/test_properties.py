@@ -1,4 +1,4 @@
-"""Property tests: accumulated gradients equal the full batch's token-weighted one.
+"""Property tests: accumulated gradients equal the full batch's weighted one.
 
 Hypothesis draws the batch size, the number of micro-batches, every row's
 number of unmasked tokens (rows with none included), the loss reduction and the
@@ -14,7 +14,6 @@ static configuration, so that the cost is a handful of compilations.
 
 import functools
 
-import chex
 import hypothesis
 from hypothesis import strategies as st
 import jax
@@ -23,8 +22,8 @@ import numpy as np
 import optax
 import pytest
 
+import helpers
 import optax_accum as oa
-import toy_models
 
 SEQ, DIM, HIDDEN = 5, 3, 4
 BATCH_SIZES = (4, 8)
@@ -44,23 +43,21 @@ SETTINGS = hypothesis.settings(
 
 
 def _params():
-  return toy_models.mlp_params(DIM, HIDDEN, seed=1234)
+  return helpers.mlp_params(DIM, HIDDEN, seed=1234)
 
 
-_token_losses = toy_models.mlp_token_losses
-_num_tokens = toy_models.num_tokens
+_token_losses = helpers.mlp_token_losses
+_num_tokens = helpers.num_tokens
 
 
 def _raw_mean_loss(params, batch):
   # 0/0 = NaN on a micro-batch without tokens: its weight is zero, and so must
   # be its contribution, NaN gradient included.
-  return _token_losses(params, batch).sum() / _num_tokens(batch)
+  return helpers.raw_mean(_token_losses(params, batch), batch)
 
 
 def _safe_mean_loss(params, batch):
-  return _token_losses(params, batch).sum() / jnp.maximum(
-      _num_tokens(batch), 1.0
-  )
+  return helpers.safe_mean(_token_losses(params, batch), batch)
 
 
 def _sum_loss(params, batch):
@@ -69,7 +66,9 @@ def _sum_loss(params, batch):
 
 # "mean" is the strict 0/0 one; "safe_mean" is the reference and the loss for
 # unweighted averaging (where an empty micro-batch still weighs one).
-LOSSES = {"mean": _raw_mean_loss, "safe_mean": _safe_mean_loss, "sum": _sum_loss}
+LOSSES = {
+    "mean": _raw_mean_loss, "safe_mean": _safe_mean_loss, "sum": _sum_loss,
+}
 
 
 def _reduction(loss_name):
@@ -110,7 +109,8 @@ def _accumulate(loss_name, k):
 def _cases(draw):
   """(batch size, k, per-row token counts with at least one token, seed)."""
   batch_size = draw(st.sampled_from(BATCH_SIZES))
-  k = draw(st.sampled_from([k for k in NUM_MICROBATCHES if batch_size % k == 0]))
+  k = draw(st.sampled_from(
+      [k for k in NUM_MICROBATCHES if batch_size % k == 0]))
   lengths = draw(
       st.lists(st.integers(0, SEQ), min_size=batch_size, max_size=batch_size)
   )
@@ -121,20 +121,8 @@ def _cases(draw):
 
 
 def _batch(lengths, seed):
-  rng = np.random.default_rng(seed)
-  batch_size = len(lengths)
-  mask = np.arange(SEQ)[None, :] < np.asarray(lengths)[:, None]
-  return {
-      "x": jnp.asarray(rng.normal(size=(batch_size, SEQ, DIM)), jnp.float32),
-      "y": jnp.asarray(rng.normal(size=(batch_size, SEQ)), jnp.float32),
-      "mask": jnp.asarray(mask, jnp.float32),
-  }
-
-
-def _micro_batches(batch, k):
-  size = len(batch["mask"]) // k
-  return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch)
-          for i in range(k)]
+  batch = helpers.padded_batch(np.random.default_rng(seed), lengths, SEQ, DIM)
+  return jax.tree.map(jnp.asarray, batch)
 
 
 def _tokens_per_micro_batch(lengths, k):
@@ -143,11 +131,7 @@ def _tokens_per_micro_batch(lengths, k):
 
 
 def _close(a, b):
-  try:
-    chex.assert_trees_all_close(a, b, rtol=RTOL, atol=ATOL)
-  except AssertionError:
-    return False
-  return True
+  return helpers.trees_close(a, b, rtol=RTOL, atol=ATOL)
 
 
 def _weighted(grads, weights, divisor):
@@ -184,7 +168,7 @@ def test_value_and_grad_matches_full_batch(case, loss_name):
   with jax.numpy_dtype_promotion("strict"):
     loss, grads = _oa_value_and_grad(loss_name, k)(params, batch)
   np.testing.assert_allclose(loss, expected_loss, rtol=RTOL, atol=ATOL)
-  chex.assert_trees_all_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
+  helpers.assert_trees_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
 
 
 @SETTINGS
@@ -200,7 +184,7 @@ def test_accumulate_matches_full_batch(case, loss_name):
   state = tx.init(params)
   micro_grads, tokens = [], _tokens_per_micro_batch(lengths, k)
   with jax.numpy_dtype_promotion("strict"):
-    for i, micro_batch in enumerate(_micro_batches(batch, k)):
+    for i, micro_batch in enumerate(helpers.split(batch, k)):
       _, grads = _direct_value_and_grad[loss_name](params, micro_batch)
       micro_grads.append(grads)
       updates, state = update(
@@ -210,16 +194,17 @@ def test_accumulate_matches_full_batch(case, loss_name):
       assert bool(oa.has_updated(state)) == last
       assert int(state.micro_step) == (0 if last else i + 1)
       if not last:
-        chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
+        helpers.assert_trees_equal(
+            updates, jax.tree.map(jnp.zeros_like, params))
   assert int(state.count) == 1
   assert float(state.token_count) == 0.0
-  chex.assert_trees_all_close(updates, expected, rtol=RTOL, atol=ATOL)
+  helpers.assert_trees_close(updates, expected, rtol=RTOL, atol=ATOL)
   # The reset of the sum is lazy: the next call starts from zero, whatever the
   # finished cycle left in state.grad_sum.
   ones = jax.tree.map(jnp.ones_like, params)
   _, state = update(ones, state, params, num_tokens=jnp.float32(2))
   weight = 1.0 if _reduction(loss_name) == "sum" else 2.0
-  chex.assert_trees_all_equal(
+  helpers.assert_trees_equal(
       state.grad_sum, jax.tree.map(lambda p: jnp.full_like(p, weight), params)
   )
   assert float(state.token_count) == (2.0 if k > 1 else 0.0)  # k=1 emits.
@@ -233,7 +218,7 @@ def test_accumulate_matches_full_batch(case, loss_name):
   ]
   weights = [1.0] * k if loss_name == "sum" else [float(n) for n in tokens]
   total = sum(tokens)
-  chex.assert_trees_all_close(
+  helpers.assert_trees_close(
       _weighted(micro_grads, weights, total), expected, rtol=RTOL, atol=ATOL
   )
   if total != 1:
@@ -263,21 +248,21 @@ def test_mean_of_means_differs_iff_token_counts_are_uneven(case):
         params, batch
     )
   micro = [_direct_value_and_grad["safe_mean"](params, mb)
-           for mb in _micro_batches(batch, k)]
+           for mb in helpers.split(batch, k)]
   mean_of_means = jax.tree.map(lambda *xs: sum(xs) / k, *micro)
-  chex.assert_trees_all_close((loss, grads), mean_of_means, rtol=RTOL, atol=ATOL)
+  helpers.assert_trees_close((loss, grads), mean_of_means, rtol=RTOL, atol=ATOL)
   tokens = _tokens_per_micro_batch(lengths, k)
   if len(set(tokens)) > 1:
     assert not _close(grads, expected_grads)
     assert not _close(loss, expected_loss)
   else:
-    chex.assert_trees_all_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
+    helpers.assert_trees_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(loss, expected_loss, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("loss_name", ["mean", "sum"])
 def test_a_fully_masked_micro_batch_adds_nothing(loss_name):
-  """Rows without tokens change nothing, even when a whole micro-batch has none."""
+  """Rows without tokens change nothing, even a whole micro-batch of them."""
   lengths = (3, 1, 0, 0, 5, 2, 0, 4)
   params, batch = _params(), _batch(lengths, seed=7)
   # The same batch with the empty micro-batch dropped.
@@ -286,4 +271,4 @@ def test_a_fully_masked_micro_batch_adds_nothing(loss_name):
   loss, grads = _oa_value_and_grad(loss_name, 4)(params, batch)
   assert np.isfinite(float(loss))
   np.testing.assert_allclose(loss, expected_loss, rtol=RTOL, atol=ATOL)
-  chex.assert_trees_all_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
+  helpers.assert_trees_close(grads, expected_grads, rtol=RTOL, atol=ATOL)

@@ -1,4 +1,4 @@
-"""Trajectory tests: accumulated training follows full-batch training step for step.
+"""Trajectory tests: accumulated training follows full-batch training exactly.
 
 The inner optimizer clips by global norm (active on some updates), follows a
 learning-rate schedule that changes every update and decays weights. Whatever
@@ -13,15 +13,14 @@ scaled mean) are run on the same data and shown to end up elsewhere.
 
 import functools
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+import helpers
 import optax_accum as oa
-import toy_models
 
 SEQ, DIM, HIDDEN = 5, 3, 4
 MICRO_BATCH_SIZE = 2
@@ -44,17 +43,15 @@ def _inner(schedule=_schedule):
 
 
 def _params():
-  return toy_models.mlp_params(DIM, HIDDEN, seed=0)
+  return helpers.mlp_params(DIM, HIDDEN, seed=0)
 
 
-_token_losses = toy_models.mlp_token_losses
-_num_tokens = toy_models.num_tokens
+_token_losses = helpers.mlp_token_losses
+_num_tokens = helpers.num_tokens
 
 
 def _mean_loss(params, batch):
-  return _token_losses(params, batch).sum() / jnp.maximum(
-      _num_tokens(batch), 1.0
-  )
+  return helpers.safe_mean(_token_losses(params, batch), batch)
 
 
 def _sum_loss(params, batch):
@@ -83,11 +80,7 @@ def _batches(num_microbatches_per_update):
 
 
 def _micro_batches(batch):
-  rows = len(batch["mask"])
-  return [
-      jax.tree.map(lambda x: x[i:i + MICRO_BATCH_SIZE], batch)
-      for i in range(0, rows, MICRO_BATCH_SIZE)
-  ]
+  return helpers.split(batch, len(batch["mask"]) // MICRO_BATCH_SIZE)
 
 
 _BATCHES = _batches([NUM_MICROBATCHES] * NUM_UPDATES)
@@ -141,7 +134,7 @@ def _reference(warmup=False):
 
 
 def _micro_step_trajectory(tx, batches, loss_reduction="mean"):
-  """Feeds ``tx`` one micro-batch gradient per call; params after each update."""
+  """Feeds ``tx`` a micro-batch gradient per call; params after each update."""
 
   @jax.jit
   def micro_step(params, opt_state, micro_batch):
@@ -165,9 +158,7 @@ def _assert_same_trajectory(trajectory, expected):
   assert len(trajectory) == len(expected)
   for step, (params, expected_params) in enumerate(zip(trajectory, expected)):
     try:
-      chex.assert_trees_all_close(
-          params, expected_params, rtol=RTOL, atol=ATOL
-      )
+      helpers.assert_trees_close(params, expected_params, rtol=RTOL, atol=ATOL)
     except AssertionError as e:
       raise AssertionError(f"params differ after update {step + 1}") from e
 
@@ -269,7 +260,9 @@ def test_naive_alternatives_leave_the_full_batch_trajectory():
   alternatives = {
       # Each micro-batch's mean weighs the same, whatever its token count.
       "mean of means": _micro_step_trajectory(
-          optax.MultiSteps(_inner(), k, use_grad_mean=True).gradient_transformation(),
+          optax.MultiSteps(
+              _inner(), k, use_grad_mean=True
+          ).gradient_transformation(),
           _BATCHES,
       )[0],
       # Clipping (the first stage of inner) applied to every micro-batch.

@@ -94,7 +94,8 @@ def test_batch_leaves_must_share_a_leading_size():
     return jnp.mean(batch["x"] * params) + jnp.mean(batch["y"])
 
   fn = oa.value_and_grad(loss, num_microbatches=2)
-  with pytest.raises(ValueError, match=r"share the size of their batch axis.*'x'.*8.*'y'.*6"):
+  pattern = r"share the size of their batch axis.*'x'.*8.*'y'.*6"
+  with pytest.raises(ValueError, match=pattern):
     fn(jnp.float32(1.0), {"x": jnp.ones(8), "y": jnp.ones(6)})
 
 
