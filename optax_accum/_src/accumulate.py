@@ -175,6 +175,39 @@ def _cycle_after(state, grads, contribution, loss_reduction) -> emitting.Cycle:
   )
 
 
+def _init_state(inner_state, params, accumulator_dtype, axis_name,
+                with_stats) -> AccumulateState:
+  """The state before the first micro-step."""
+
+  def partial_zeros(shape, dtype):
+    # With an axis, the running sums are this device's partial sums; a
+    # leading slot axis lets shard_map lay them out one slot per device
+    # (scalars included), so that no device's partial sum can be dropped.
+    if axis_name is None:
+      return jnp.zeros(shape, dtype)
+    return partial_sums.partial_zeros(shape, dtype, axis_name)
+
+  return AccumulateState(
+      micro_step=jnp.zeros([], jnp.int32),
+      count=jnp.zeros([], jnp.int32),
+      grad_sum=jax.tree.map(
+          lambda p: partial_zeros(
+              jnp.shape(p), incoming_grads.sum_dtype(p, accumulator_dtype)
+          ),
+          params,
+      ),
+      token_count=partial_zeros((), jnp.float32),
+      inner_state=inner_state,
+      emitted=jnp.zeros([], jnp.bool_),
+      nonfinite_count=partial_zeros((), jnp.int32),
+      skipped_count=partial_zeros((), jnp.int32),
+      stats_sums=noise_scale.StatsSums(
+          partial_zeros((), jnp.float32), partial_zeros((), jnp.float32)
+      ) if with_stats else None,
+      stats=noise_scale.nan_stats() if with_stats else None,
+  )
+
+
 def accumulate(
     inner: optax.GradientTransformation,
     every_k: int | Callable[[jax.Array], jax.Array],
@@ -292,34 +325,9 @@ def accumulate(
   takes_extra_args = isinstance(inner, optax.GradientTransformationExtraArgs)
   inner = optax.with_extra_args_support(inner)
 
-  def partial_zeros(shape, dtype):
-    # With an axis, the running sums are this device's partial sums; a
-    # leading slot axis lets shard_map lay them out one slot per device
-    # (scalars included), so that no device's partial sum can be dropped.
-    if axis_name is None:
-      return jnp.zeros(shape, dtype)
-    return partial_sums.partial_zeros(shape, dtype, axis_name)
-
   def init_fn(params):
-    return AccumulateState(
-        micro_step=jnp.zeros([], jnp.int32),
-        count=jnp.zeros([], jnp.int32),
-        grad_sum=jax.tree.map(
-            lambda p: partial_zeros(
-                jnp.shape(p), incoming_grads.sum_dtype(p, accumulator_dtype)
-            ),
-            params,
-        ),
-        token_count=partial_zeros((), jnp.float32),
-        inner_state=inner.init(params),
-        emitted=jnp.zeros([], jnp.bool_),
-        nonfinite_count=partial_zeros((), jnp.int32),
-        skipped_count=partial_zeros((), jnp.int32),
-        stats_sums=noise_scale.StatsSums(
-            partial_zeros((), jnp.float32), partial_zeros((), jnp.float32)
-        ) if with_stats else None,
-        stats=noise_scale.nan_stats() if with_stats else None,
-    )
+    return _init_state(inner.init(params), params, accumulator_dtype,
+                       axis_name, with_stats)
 
   def update_fn(updates, state, params=None, *, num_tokens=None, emit=None,
                 **extra_args):
