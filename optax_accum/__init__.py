@@ -12,6 +12,8 @@ from optax_accum._src.noise_scale import GradStats as GradStats
 from optax_accum._src.partition_specs import (
     state_partition_specs as state_partition_specs,
 )
+from optax_accum._src.planner import Plan as Plan
+from optax_accum._src.planner import plan_microbatches as plan_microbatches
 from optax_accum._src.state_lookup import (
     find_accumulate_state as find_accumulate_state,
 )
@@ -25,6 +27,7 @@ __all__ = (
     "AccumulateState",
     "CollectiveCounts",
     "GradStats",
+    "Plan",
     "accumulate",
     "count_collectives",
     "coupled_value_and_grad",
@@ -32,6 +35,7 @@ __all__ = (
     "find_accumulate_state",
     "grad_stats",
     "has_updated",
+    "plan_microbatches",
     "state_partition_specs",
     "value_and_grad",
 )

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from optax_accum._src import aux_reduction
 from optax_accum._src import axes
 from optax_accum._src import batching
+from optax_accum._src import fsdp
 from optax_accum._src import sharding
 
 
@@ -68,6 +69,7 @@ def over_mesh(
     params: Any,
     batch: Any,
     replicated: Any,
+    param_specs: Any = None,
 ) -> Any:
   """Runs ``data_parallel`` in a shard_map over an axis of the current mesh.
 
@@ -85,6 +87,8 @@ def over_mesh(
     batch: the global batch, split over the axis along ``batch_axes``.
     replicated: everything else the loop reads (model state, args, kwargs,
       the PRNG key), replicated over the axis.
+    param_specs: the parameters' specs (a spec or a tree prefix); None reads
+      them off the parameters' types (Explicit axes).
 
   Returns:
     ``data_parallel``'s outputs; a stacked ``aux`` leaf is concatenated over
@@ -99,7 +103,11 @@ def over_mesh(
   leaves, treedef = jax.tree.flatten(batch)
   batch_specs = treedef.unflatten(
       [_batch_spec(a, axis_name) for a in leaf_axes])
-  param_specs = jax.tree.map(lambda p: sharding.spec_over(p, axis_name), params)
+  if param_specs is None:
+    param_specs = jax.tree.map(
+        lambda p: sharding.spec_over(p, axis_name), params)
+  else:
+    param_specs = fsdp.specs_like(params, param_specs, axis_name)
   if axes.all_explicit(axis_name):
     batch = treedef.unflatten([
         _laid_out(x, a, axis_name) for x, a in zip(leaves, leaf_axes)])

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from optax_accum._src import aux_reduction as aux_reduction_lib
 from optax_accum._src import axes
 from optax_accum._src import batching
+from optax_accum._src import fsdp
 from optax_accum._src import loss_signature
 from optax_accum._src import microbatch_rng
 from optax_accum._src import noise_scale
@@ -75,6 +76,8 @@ class Options(NamedTuple):
   batch_axes: Any
   aux_reduction: Any
   with_stats: bool
+  param_specs: Any  # None, a PartitionSpec or a tree of them.
+  fsdp_policy: fsdp.Policy
 
 
 def _token_count(num_tokens_fn, microbatch):
@@ -91,25 +94,28 @@ def _rng_for(inputs, index, opts):
   return microbatch_rng.key_for(inputs.rng, index, opts.axis_name)
 
 
-def _aux_plan(loss, opts, params, inputs, batch_split) -> AuxPlan | None:
+def _aux_plan(loss, opts, params_for, inputs, batch_split) -> AuxPlan | None:
   """Micro-batch 0's aux shapes (traced, not run), when aux is reduced."""
   if not aux_reduction_lib.is_running(opts.aux_reduction):
     return None
   microbatch = batching.take(batch_split, 0)
   _, (_, aux) = jax.eval_shape(lambda: loss(
-      params, inputs.model_state, microbatch, inputs, _rng_for(inputs, 0, opts)
+      params_for(jnp.zeros([], jnp.int32)), inputs.model_state, microbatch,
+      inputs, _rng_for(inputs, 0, opts)
   ))
   shapes, treedef = jax.tree.flatten(aux)
   reductions = aux_reduction_lib.per_leaf(opts.aux_reduction, aux)
   return AuxPlan(reductions, shapes, treedef)
 
 
-def _zero_sums(params, opts: Options, plan: AuxPlan | None) -> Sums:
+def _zero_sums(params, opts: Options, plan: AuxPlan | None,
+               lay: fsdp.Layout | None) -> Sums:
   sums = Sums(
       # zeros_like keeps each parameter's sharding (model-parallel axes).
       grads=jax.tree.map(
           lambda p: jnp.zeros_like(p, dtype=opts.accumulator_dtype), params
-      ),
+      ) if lay is None else fsdp.zero_grads(
+          lay, params, opts.accumulator_dtype),
       loss=jnp.zeros([], opts.accumulator_dtype),
       tokens=jnp.zeros([], jnp.float32),
       aux=None if plan is None else aux_reduction_lib.init(
@@ -122,20 +128,30 @@ def _zero_sums(params, opts: Options, plan: AuxPlan | None) -> Sums:
   return sums
 
 
-def loop(loss, opts: Options, params, inputs: loss_signature.Inputs):
-  """The scan over this device's micro-batches: ``(sums, loop_out)``."""
+def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
+         lay: fsdp.Layout | None = None):
+  """The scan over this device's micro-batches: ``(sums, loop_out)``.
+
+  With an FSDP layout ``lay``, ``params`` are what :func:`fsdp.hold` keeps:
+  gathered for each micro-batch, and the gradients summed, as it says.
+  """
+
+  def params_for(index):
+    return params if lay is None else fsdp.for_microbatch(lay, params, index)
+
   batch_split = batching.split(
       inputs.batch, opts.batch_axes, opts.num_microbatches,
       sharded_layout_for_auto=opts.axis_name is None,
   )
-  plan = _aux_plan(loss, opts, params, inputs, batch_split)
+  plan = _aux_plan(loss, opts, params_for, inputs, batch_split)
   value_and_grad_fn = jax.value_and_grad(loss, has_aux=True)
 
   def step(carry, index):
     sums, model_state = carry
     microbatch = batching.take(batch_split, index)
     (value, (model_state, aux)), grads = value_and_grad_fn(
-        params, model_state, microbatch, inputs, _rng_for(inputs, index, opts)
+        params_for(index), model_state, microbatch, inputs,
+        _rng_for(inputs, index, opts)
     )
     if jnp.ndim(value) != 0:
       raise ValueError(
@@ -148,7 +164,8 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs):
       running, stacked = aux_reduction_lib.update(
           running, jax.tree.leaves(aux), plan.reductions, tokens)
     sums = Sums(
-        grads=token_weighting.add(sums.grads, grads, c),
+        grads=token_weighting.add(sums.grads, grads, c) if lay is None
+        else fsdp.add_grads(lay, sums.grads, grads, c),
         loss=sums.loss + token_weighting.weighted(value, c, sums.loss.dtype),
         tokens=sums.tokens + c.tokens,
         aux=running,
@@ -160,7 +177,7 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs):
 
   with jax.named_scope("optax_accum_microbatch_loop"):
     (sums, model_state), (values, stacked) = lax.scan(
-        step, (_zero_sums(params, opts, plan), inputs.model_state),
+        step, (_zero_sums(params, opts, plan, lay), inputs.model_state),
         jnp.arange(opts.num_microbatches),
     )
   return sums, LoopOut(model_state, values.dtype, stacked, plan)

@@ -4,13 +4,13 @@ from collections.abc import Callable
 import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import aux_reduction as aux_reduction_lib
 from optax_accum._src import axes
 from optax_accum._src import batching
+from optax_accum._src import fsdp
 from optax_accum._src import loss_signature
 from optax_accum._src import mesh_loop
 from optax_accum._src import microbatch_loop as loop_lib
@@ -28,28 +28,29 @@ def _single_device(loss, opts, params, inputs) -> loop_lib.Result:
 def _data_parallel(loss, opts, params, inputs, param_specs=None):
   """Inside shard_map or pmap: local sums, then one reduction over the axis.
 
-  Parameters that ``param_specs`` shard over the axis (FSDP) are gathered
-  once, before the loop; their gradients are reduce-scattered back into
-  shards after it. Summed aux and the noise-scale sums ride along in the
-  gradient's reduction.
+  Parameters that ``param_specs`` shard over the axis (FSDP) are gathered,
+  and their gradients reduce-scattered back into shards, where
+  ``opts.fsdp_policy`` says: by default once before the loop and once after
+  it (see :mod:`fsdp`). Summed aux and the noise-scale sums ride along in
+  the gradient's reduction.
   """
   axis_name = opts.axis_name
-  if param_specs is None:
-    param_specs = jax.tree.map(lambda _: P(), params)
-  full_params = jax.tree.map(sharding.gather, params, param_specs)
-  # Differentiate with respect to this device's copy of the parameters, so
-  # that autodiff does not sum gradients over the axis on every micro-step.
-  local_params = axes.device_local(full_params, axis_name)
+  lay = fsdp.layout(
+      fsdp.specs_like(params, P() if param_specs is None else param_specs,
+                      axis_name),
+      axis_name, opts.fsdp_policy,
+  )
   if inputs.model_state is not None:
     inputs = inputs._replace(model_state=axes.floats_device_local(
         inputs.model_state, axis_name))
-  sums, out = loop_lib.loop(loss, opts, local_params, inputs)
+  # The loop differentiates with respect to device-local whole parameters,
+  # so that autodiff does not sum gradients over the axis on every micro-step.
+  sums, out = loop_lib.loop(loss, opts, fsdp.hold(lay, params), inputs, lay)
   running = sums.aux
-  grads, (loss_sum, tokens, aux_sums, stats) = sharding.sum_into_shards(
-      sums.grads, param_specs,
+  grads, (loss_sum, tokens, aux_sums, stats) = fsdp.finish(
+      lay, sums.grads,
       (sums.loss, sums.tokens, None if running is None else running.sums,
        sums.stats),
-      axis_name,
   )
   if running is not None:
     running = aux_reduction_lib.extrema_over(
@@ -59,7 +60,7 @@ def _data_parallel(loss, opts, params, inputs, param_specs=None):
         out.model_state, axis_name))
   sums = loop_lib.Sums(grads, loss_sum, tokens, running, stats)
   return loop_lib.finish(sums, out, params, sq_norm=lambda tree: (
-      sharding.sq_norm_of_shards(tree, param_specs, noise_scale.sq_norm)))
+      sharding.sq_norm_of_shards(tree, lay.specs, noise_scale.sq_norm)))
 
 
 def value_and_grad(
@@ -75,6 +76,9 @@ def value_and_grad(
     batch_axes: Any = 0,
     aux_reduction: Any = "stack",
     with_stats: bool = False,
+    gradient_sync: str = "once",
+    gather_params: str = "once",
+    param_specs: Any = None,
 ) -> Callable[..., Any]:
   r"""Like :func:`jax.value_and_grad`, over a batch split into micro-batches.
 
@@ -130,8 +134,10 @@ def value_and_grad(
   ``i`` is every device's ``i``-th slice; the global batch size must be
   divisible by ``num_microbatches`` times the axis size) and ``loss_fn`` sees
   one device's slice, like under pmap. Parameters sharded over the axis
-  (FSDP, Explicit axes) are all-gathered once before the loop and their
-  gradients reduce-scattered back to the parameters' sharding after it. In
+  (FSDP: read off the types with Explicit axes, or given as ``param_specs``)
+  are all-gathered once before the loop and their gradients reduce-scattered
+  back to the parameters' sharding after it; ``gradient_sync`` and
+  ``gather_params`` trade that communication for memory. In
   that mode a stacked ``aux`` leaf comes back concatenated over devices
   along its first axis after the micro-batch axis (a scalar becomes one entry
   per device); ``*args``, ``**kwargs``, ``rng`` and batch leaves with
@@ -170,6 +176,25 @@ def value_and_grad(
       estimated from the micro-batch gradients (the gradient noise scale:
       see :func:`optax_accum.grad_stats`), at the cost of one squared norm per
       micro-batch and, with ``axis_name``, two scalars in the one reduction.
+    gradient_sync: for parameters sharded over ``axis_name`` (FSDP),
+      ``"once"`` keeps a whole-size partial gradient sum per device and
+      reduce-scatters it after the loop; ``"every_microbatch"`` reduce-scatters
+      each micro-batch's gradient into a sum sharded like the parameters (in
+      ``accumulator_dtype``): 1/N of the gradient memory, ``k`` times the
+      reduce-scatters. Replicated parameters are summed once either way.
+    gather_params: for parameters sharded over ``axis_name``, ``"once"``
+      all-gathers them before the loop and holds them whole through it;
+      ``"every_microbatch"`` holds the shards and all-gathers them inside the
+      loop, for each micro-batch (``k`` times the all-gathers). On CPU a
+      gathered layer stays alive from its forward to its backward use within
+      a micro-batch, so the saving is smaller than 1/N of the parameters (see
+      ``docs/distributed.md``).
+    param_specs: the parameters' :class:`jax.sharding.PartitionSpec` (one,
+      or a tree prefix of the parameters, like :func:`jax.shard_map`'s
+      ``in_specs``): inside shard_map, how the parameters it passes in are
+      sharded (None: replicated); under jit with a mesh, how to shard them
+      over ``axis_name`` (None: read off their types, which only Explicit
+      axes carry). Only the entries over ``axis_name`` matter.
 
   Returns:
     A function ``fn(params, batch, *args, rng=None, **kwargs)``
@@ -228,6 +253,8 @@ def value_and_grad(
       batch_axes=batching.check_batch_axes(batch_axes),
       aux_reduction=aux_reduction_lib.check(aux_reduction, has_aux),
       with_stats=validation.check_bool("with_stats", with_stats),
+      param_specs=fsdp.check_param_specs(param_specs),
+      fsdp_policy=fsdp.policy(gradient_sync, gather_params),
   )
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
@@ -242,13 +269,13 @@ def value_and_grad(
     if opts.axis_name is None:
       result = _single_device(loss, opts, params, inputs)
     elif axes.is_bound(opts.axis_name):
-      result = _data_parallel(loss, opts, params, inputs)
+      result = _data_parallel(loss, opts, params, inputs, opts.param_specs)
     else:
       result = loop_lib.Result(*mesh_loop.over_mesh(
           lambda p, b, rest, specs: _data_parallel(
               loss, opts, p, rest._replace(batch=b), specs),
           opts.axis_name, opts.num_microbatches, opts.batch_axes,
-          params, batch, inputs._replace(batch=None),
+          params, batch, inputs._replace(batch=None), opts.param_specs,
       ))
     result = result._replace(aux=aux_reduction_lib.merge(result.aux))
     value, grads = loss_signature.pack(result, opts.has_aux, opts.has_state)

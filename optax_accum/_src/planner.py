@@ -1,0 +1,333 @@
+"""Choosing the number of micro-batches from compiled memory, before running.
+
+Finding the number of micro-batches by trial and error costs an out-of-memory
+crash and a recompilation per try. XLA knows, once a step is compiled and
+before it runs, how much memory each device needs:
+``compiled.memory_analysis()``. :func:`plan_microbatches` compiles candidate
+steps ahead of time, reads their memory and their collectives, and returns the
+smallest number of micro-batches that fits a per-device budget, with the FSDP
+policy (:mod:`fsdp`) that communicates least.
+"""
+
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._src import axes
+from optax_accum._src import batching
+from optax_accum._src import fsdp
+from optax_accum._src import hlo
+from optax_accum._src import sharding
+from optax_accum._src import validation
+from optax_accum._src import value_and_grad as value_and_grad_lib
+
+_PLANNED = ("num_microbatches", "gradient_sync", "gather_params")
+_ONCE = fsdp.Policy()
+# At a given k, a later group moves more collectives into the loop than an
+# earlier one, so it is compiled only when nothing in the earlier ones fits.
+_GROUPS = (
+    (_ONCE,),
+    (fsdp.Policy(fsdp.EVERY_MICROBATCH, fsdp.ONCE),
+     fsdp.Policy(fsdp.ONCE, fsdp.EVERY_MICROBATCH)),
+    (fsdp.Policy(fsdp.EVERY_MICROBATCH, fsdp.EVERY_MICROBATCH),),
+)
+_CACHE_SIZE = 256
+_cache: dict[Any, "_Measured"] = {}
+
+
+class _Measured(NamedTuple):
+  """What compiling one candidate tells: memory and collectives."""
+
+  memory_bytes: int
+  collectives: hlo.CollectiveCounts
+
+
+class Candidate(NamedTuple):
+  """One compiled candidate step of :func:`plan_microbatches`."""
+
+  num_microbatches: int
+  gradient_sync: str
+  gather_params: str
+  memory_bytes: int  # per device: temp + arguments + outputs - aliased.
+  collectives_per_update: int  # outside the loop + k * inside it.
+  collectives: hlo.CollectiveCounts
+  fits: bool  # memory_bytes <= the budget.
+
+
+def _mib(num_bytes: int) -> str:
+  return f"{num_bytes / 2**20:.2f} MiB"
+
+
+class Table(tuple):
+  """The candidates a plan considered, in order; ``print`` shows a table."""
+
+  def __str__(self) -> str:
+    header = ("k", "gradient_sync", "gather_params", "memory/device",
+              "collectives/update = outside + k x in loop", "fits")
+    rows = [header]
+    for c in self:
+      in_loop = sum(c.collectives.in_loop.values())
+      outside = c.collectives_per_update - c.num_microbatches * in_loop
+      rows.append((
+          str(c.num_microbatches), c.gradient_sync, c.gather_params,
+          _mib(c.memory_bytes),
+          f"{c.collectives_per_update} = {outside} + {c.num_microbatches}"
+          f" x {in_loop}",
+          "yes" if c.fits else "no",
+      ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip()
+        for r in rows
+    )
+
+
+class Plan(NamedTuple):
+  """What :func:`plan_microbatches` chose, and every candidate it compiled."""
+
+  num_microbatches: int
+  gradient_sync: str
+  gather_params: str
+  value_and_grad: Callable[..., Any]  # oa.value_and_grad with these settings.
+  memory_bytes: int  # the chosen step's, per device.
+  collectives_per_update: int  # the chosen step's.
+  table: Table
+
+
+def _divisors(n: int) -> list[int]:
+  return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _hashable(value: Any) -> Any:
+  """``value`` as a cache key, or TypeError if it cannot be one."""
+  leaves, treedef = jax.tree.flatten(
+      value, is_leaf=lambda x: isinstance(x, P) or x is None
+  )
+  key = (treedef, tuple(leaves))
+  hash(key)
+  return key
+
+
+def _signature(tree: Any) -> Any:
+  """The shapes, dtypes and shardings that a compiled step depends on."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple(
+      (jax.numpy.shape(x), jax.numpy.result_type(x),
+       getattr(x, "sharding", None), getattr(x, "weak_type", None))
+      for x in leaves
+  )
+
+
+def _measure(fn: Callable[..., Any], operands: tuple[Any, ...]) -> _Measured:
+  """Compiles ``jax.jit(fn)`` for ``operands`` and measures it."""
+  compiled = jax.jit(fn).lower(*operands).compile()
+  memory = compiled.memory_analysis()
+  if memory is None:
+    raise RuntimeError(
+        f"The {jax.default_backend()} backend does not report memory"
+        " (compiled.memory_analysis() is None): plan_microbatches cannot"
+        " plan on it."
+    )
+  return _Measured(
+      memory_bytes=int(
+          memory.temp_size_in_bytes + memory.argument_size_in_bytes
+          + memory.output_size_in_bytes - memory.alias_size_in_bytes
+      ),
+      collectives=hlo.count_collectives(compiled),
+  )
+
+
+def _per_update(counts: hlo.CollectiveCounts, k: int) -> int:
+  in_loop = sum(counts.in_loop.values())
+  return sum(counts.total.values()) - in_loop + k * in_loop
+
+
+def _has_fsdp_params(params: Any, vg_kwargs: dict[str, Any]) -> bool:
+  """Whether some parameter is sharded over ``axis_name``: policies apply."""
+  axis_name = vg_kwargs.get("axis_name")
+  if axis_name is None:
+    return False
+  specs = vg_kwargs.get("param_specs")
+  if specs is None:
+    specs = jax.tree.map(
+        lambda p: sharding.explicit_spec(p) or P(), params
+    )
+  specs = fsdp.specs_like(params, specs, axis_name)
+  return any(sharding.sharded_dims(s) for s in jax.tree.leaves(
+      specs, is_leaf=lambda x: isinstance(x, P)))
+
+
+def _rows_per_device(batch: Any, vg_kwargs: dict[str, Any]) -> int:
+  """The size of each device's share of the split axis of ``batch``."""
+  axis_name = vg_kwargs.get("axis_name")
+  rows = batching.split_size(batch, batching.leaf_axes(
+      batch, batching.check_batch_axes(vg_kwargs.get("batch_axes", 0))))
+  if axis_name is None:
+    return rows
+  devices = axes.mesh_axis_size(axis_name)
+  if devices is None:
+    raise ValueError(
+        f"axis_name={axis_name!r} is not an axis of the current mesh:"
+        " plan_microbatches compiles the jax.jit form of the step, so call"
+        " it under jax.set_mesh(mesh)."
+    )
+  batching.check_divisible(rows, 1, devices=devices)
+  return rows // devices
+
+
+def _check_candidates(candidates: Iterable[int] | None, rows: int) -> list[int]:
+  if candidates is None:
+    return _divisors(rows)
+  ks = sorted({validation.check_positive_int("candidates[i]", k)
+               for k in candidates})
+  bad = [k for k in ks if rows % k]
+  if not ks or bad:
+    raise ValueError(
+        f"candidates must be divisors of the per-device batch size {rows},"
+        f" got {sorted(candidates)}."
+    )
+  return ks
+
+
+def _no_fit(table: Table, budget: int) -> ValueError:
+  smallest = min(table, key=lambda c: c.memory_bytes)
+  return ValueError(
+      f"No candidate fits memory_budget={budget} bytes ({_mib(budget)}) per"
+      f" device: the smallest needs {smallest.memory_bytes} bytes"
+      f" ({_mib(smallest.memory_bytes)}) with num_microbatches="
+      f"{smallest.num_microbatches}, gradient_sync={smallest.gradient_sync!r},"
+      f" gather_params={smallest.gather_params!r}. Raise the budget, shard"
+      " the parameters over the data axis, or use more devices.\n"
+      f"{table}"
+  )
+
+
+def _key(loss_fn, k, chosen, vg_kwargs, operands) -> Any:
+  """The cache key of one candidate, or None if something is unhashable."""
+  try:
+    key = (loss_fn, k, chosen, _hashable(sorted(vg_kwargs.items())),
+           _signature(operands), jax.sharding.get_abstract_mesh())
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+def plan_microbatches(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    *args: Any,
+    memory_budget: int,
+    candidates: Iterable[int] | None = None,
+    **vg_kwargs: Any,
+) -> Plan:
+  """The fewest micro-batches whose compiled step fits a memory budget.
+
+  Compiles :func:`optax_accum.value_and_grad` steps ahead of time
+  (``jax.jit(fn).lower(params, batch, *args).compile()``, nothing runs) and
+  reads each one's per-device memory (temp + arguments + outputs - aliased
+  bytes of ``memory_analysis()``) and its collectives per update (outside the
+  loop + ``k`` times inside it, from :func:`optax_accum.count_collectives`).
+  It returns the smallest ``k`` for which some step fits ``memory_budget``
+  and, among the steps that fit at that ``k``, the ``gradient_sync`` /
+  ``gather_params`` policy that communicates least (then the one with less
+  memory).
+
+  The divisors of the per-device batch size are scanned in increasing order
+  (memory need not fall monotonically with ``k``, so there is no bisection).
+  What cannot win is not compiled: a larger ``k`` once a smaller one fits,
+  and at a given ``k`` the policies that move collectives into the loop when
+  one that moves fewer fits. With ``k = 1`` XLA removes the loop and all four
+  policies compile to the same program, so only the default is tried; so it
+  is when no parameter is sharded over ``axis_name``. Measurements are
+  cached, so planning again (another budget) recompiles nothing.
+
+  Args:
+    loss_fn: as for :func:`optax_accum.value_and_grad`.
+    params: the parameters, as arrays or :class:`jax.ShapeDtypeStruct`
+      (with their shardings: FSDP parameters are sharded over the data axis).
+    batch: the global batch, arrays or ShapeDtypeStructs.
+    *args: further arguments of ``loss_fn``.
+    memory_budget: bytes per device that the step may use.
+    candidates: the numbers of micro-batches to consider; by default every
+      divisor of the per-device batch size.
+    **vg_kwargs: the other arguments of :func:`optax_accum.value_and_grad`
+      (``num_tokens_fn``, ``axis_name``, ``param_specs``, ...). With
+      ``axis_name``, call this under ``jax.set_mesh(mesh)``.
+
+  Returns:
+    A :class:`Plan`: ``num_microbatches``, ``gradient_sync``,
+    ``gather_params``, ``value_and_grad`` (built with them), the chosen
+    step's ``memory_bytes`` and ``collectives_per_update``, and ``table``,
+    every candidate compiled (``print(plan.table)`` shows it).
+
+  Raises:
+    ValueError: if no candidate fits; the message names the smallest
+      requirement and prints the table.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax_accum as oa
+    >>> def loss_fn(w, mb):
+    ...   return jnp.mean(jnp.tanh(mb['x'] @ w) ** 2)
+    >>> w, batch = jnp.ones((64, 64)), {'x': jnp.ones((32, 64))}
+    >>> plan = oa.plan_microbatches(loss_fn, w, batch, memory_budget=2**30)
+    >>> plan.num_microbatches, plan.gradient_sync, plan.gather_params
+    (1, 'once', 'once')
+    >>> loss, grads = plan.value_and_grad(w, batch)
+    >>> oa.plan_microbatches(loss_fn, w, batch, memory_budget=1000)
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: No candidate fits memory_budget=1000 bytes (0.00 MiB) per ...
+  """
+  budget = validation.check_positive_int("memory_budget", memory_budget)
+  for name in _PLANNED:
+    if name in vg_kwargs:
+      raise TypeError(
+          f"plan_microbatches chooses {name}: do not pass it (got"
+          f" {name}={vg_kwargs[name]!r})."
+      )
+  rows = _rows_per_device(batch, vg_kwargs)
+  groups = _GROUPS if _has_fsdp_params(params, vg_kwargs) else _GROUPS[:1]
+  operands = (params, batch, *args)
+  table = []
+  for k in _check_candidates(candidates, rows):
+    for group in groups if k > 1 else _GROUPS[:1]:
+      rows_k = [_candidate(loss_fn, k, chosen, vg_kwargs, operands, budget)
+                for chosen in group]
+      table.extend(rows_k)
+      fitting = [c for c in rows_k if c.fits]
+      if fitting:
+        best = min(fitting, key=lambda c: (c.collectives_per_update,
+                                           c.memory_bytes))
+        return Plan(
+            best.num_microbatches, best.gradient_sync, best.gather_params,
+            _build(loss_fn, k, fsdp.Policy(*best[1:3]), vg_kwargs),
+            best.memory_bytes, best.collectives_per_update, Table(table))
+  raise _no_fit(Table(table), budget)
+
+
+def _build(loss_fn, k: int, chosen: fsdp.Policy, vg_kwargs) -> Callable:
+  """:func:`optax_accum.value_and_grad` with a candidate's settings."""
+  return value_and_grad_lib.value_and_grad(
+      loss_fn, num_microbatches=k, gradient_sync=chosen.gradient_sync,
+      gather_params=chosen.gather_params, **vg_kwargs)
+
+
+def _candidate(loss_fn, k, chosen, vg_kwargs, operands, budget) -> Candidate:
+  """Compiles (or looks up) and measures one candidate step."""
+  key = _key(loss_fn, k, chosen, vg_kwargs, operands)
+  measured = _cache.get(key) if key is not None else None
+  if measured is None:
+    measured = _measure(_build(loss_fn, k, chosen, vg_kwargs), operands)
+    if key is not None:
+      if len(_cache) >= _CACHE_SIZE:
+        del _cache[next(iter(_cache))]
+      _cache[key] = measured
+  return Candidate(
+      k, chosen.gradient_sync, chosen.gather_params, measured.memory_bytes,
+      _per_update(measured.collectives, k), measured.collectives,
+      measured.memory_bytes <= budget)

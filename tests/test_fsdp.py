@@ -1,0 +1,238 @@
+"""FSDP memory policies of ``oa.value_and_grad``: exact, placed, smaller.
+
+``gradient_sync`` and ``gather_params`` decide whether parameters sharded
+over the data axis are all-gathered, and their gradients reduce-scattered,
+once per update or once per micro-batch. Every combination must give the
+single-device full-batch gradient, sharded like the parameters; the compiled
+program must put its collectives where the policy says (read with
+``oa.count_collectives``); and ``memory_analysis()`` must show the memory that
+the per-micro-batch variants save on 8 simulated devices.
+"""
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import helpers
+import optax_accum as oa
+
+N = 8  # simulated devices (tests/conftest.py).
+K = 2  # micro-batches per device.
+BATCH, SEQ, DIM, HIDDEN = 32, 4, 8, 16
+ONCE, EVERY = "once", "every_microbatch"
+POLICIES = [(s, g) for s in (ONCE, EVERY) for g in (ONCE, EVERY)]
+# w1 and b1 are sharded over the data axis, w2 is replicated.
+SPECS = {"w1": P("data"), "b1": P("data"), "w2": P()}
+SHARDED_LEAVES = 2
+
+
+def _data():
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(1, SEQ + 1, size=BATCH)
+  lengths[:2] = 0  # device 0's first micro-batch has no token: its loss is NaN.
+  return jax.tree.map(jnp.asarray, helpers.padded_batch(rng, lengths, SEQ, DIM))
+
+
+def _params():
+  return helpers.mlp_params(DIM, HIDDEN, seed=1)
+
+
+def raw_mean_loss(params, batch):
+  """0/0 = NaN without tokens: it must be dropped before any collective."""
+  return helpers.raw_mean(helpers.mlp_token_losses(params, batch), batch)
+
+
+def _fn(gradient_sync, gather_params, **kwargs):
+  return oa.value_and_grad(
+      raw_mean_loss, num_microbatches=K, num_tokens_fn=helpers.num_tokens,
+      axis_name="data", gradient_sync=gradient_sync,
+      gather_params=gather_params, **kwargs,
+  )
+
+
+def _assert_exact(loss, grads):
+  expected_loss, expected_grads = jax.value_and_grad(raw_mean_loss)(
+      _params(), _data())
+  np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+  helpers.assert_trees_close(grads, expected_grads, rtol=1e-5, atol=1e-6)
+
+
+def _expected_counts(gradient_sync, gather_params):
+  """``(in the loop, outside it)`` for SHARDED_LEAVES FSDP leaves."""
+  gathers = {"all-gather": SHARDED_LEAVES}
+  scatters = {"reduce-scatter": SHARDED_LEAVES}
+  in_loop, outside = {}, {"all-reduce": 1}  # w2, the loss and the tokens.
+  (in_loop if gather_params == EVERY else outside).update(gathers)
+  (in_loop if gradient_sync == EVERY else outside).update(scatters)
+  return in_loop, outside
+
+
+def _mesh(shape=(N,), names=("data",), axis_type=AxisType.Explicit):
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+
+
+@pytest.mark.parametrize("under", ["jit", "shard_map"])
+@pytest.mark.parametrize(("gradient_sync", "gather_params"), POLICIES)
+def test_every_policy_is_exact_sharded_and_placed(
+    gradient_sync, gather_params, under):
+  with jax.set_mesh(_mesh()):
+    params = jax.device_put(_params(), SPECS)
+    batch = jax.device_put(_data(), P("data"))
+    if under == "jit":  # the specs are read off the Explicit types.
+      step = jax.jit(_fn(gradient_sync, gather_params))
+    else:  # inside shard_map the parameters are shards: say how.
+      step = jax.jit(jax.shard_map(
+          _fn(gradient_sync, gather_params, param_specs=SPECS),
+          in_specs=(SPECS, P("data")), out_specs=(P(), SPECS),
+      ))
+    compiled = step.lower(params, batch).compile()
+    loss, grads = compiled(params, batch)
+  _assert_exact(loss, grads)
+  for name, grad in grads.items():
+    assert grad.sharding.is_equivalent_to(params[name].sharding, grad.ndim)
+  counts = oa.count_collectives(compiled)
+  assert (counts.in_loop, counts.outside) == _expected_counts(
+      gradient_sync, gather_params)
+
+
+def test_auto_axes_use_the_given_param_specs():
+  mesh = _mesh(axis_type=AxisType.Auto)
+  shardings = {k: jax.NamedSharding(mesh, s) for k, s in SPECS.items()}
+  with jax.set_mesh(mesh):
+    params = jax.device_put(_params(), shardings)
+    batch = jax.device_put(_data(), jax.NamedSharding(mesh, P("data")))
+    step = jax.jit(_fn(EVERY, EVERY, param_specs=SPECS))
+    compiled = step.lower(params, batch).compile()
+    loss, grads = compiled(params, batch)
+  _assert_exact(loss, grads)
+  assert grads["w1"].sharding.is_equivalent_to(shardings["w1"], 2)
+  counts = oa.count_collectives(compiled)
+  assert (counts.in_loop, counts.outside) == _expected_counts(EVERY, EVERY)
+
+
+def test_sharded_over_one_of_two_data_axes_sums_over_the_other_once():
+  mesh = _mesh((4, 2), ("data", "fsdp"))
+  specs = {"w1": P("fsdp"), "b1": P(), "w2": P()}
+  with jax.set_mesh(mesh):
+    params = jax.device_put(_params(), specs)
+    batch = jax.device_put(_data(), P(("data", "fsdp")))
+    step = jax.jit(oa.value_and_grad(
+        raw_mean_loss, num_microbatches=K, num_tokens_fn=helpers.num_tokens,
+        axis_name=("data", "fsdp"), gradient_sync=EVERY, gather_params=EVERY,
+    ))
+    compiled = step.lower(params, batch).compile()
+    loss, grads = compiled(params, batch)
+  _assert_exact(loss, grads)
+  assert grads["w1"].sharding.spec[0] == "fsdp"
+  counts = oa.count_collectives(compiled)
+  assert counts.in_loop == {"all-gather": 1, "reduce-scatter": 1}
+  # Over "data", w1's shard sums once; b1, w2, loss and tokens in one more.
+  assert counts.outside == {"all-reduce": 2}
+
+
+def test_replicated_params_mean_once_whatever_the_policy():
+  with jax.set_mesh(_mesh()):
+    params = jax.device_put(_params(), P())
+    batch = jax.device_put(_data(), P("data"))
+    compiled = jax.jit(_fn(EVERY, EVERY)).lower(params, batch).compile()
+    loss, grads = compiled(params, batch)
+  _assert_exact(loss, grads)
+  counts = oa.count_collectives(compiled)
+  assert counts.total == {"all-reduce": 1} and counts.in_loop == {}
+
+
+@pytest.mark.parametrize("barrier", [False, True])
+def test_xla_hoists_gathers_out_of_the_loop_unless_tied_by_a_barrier(barrier):
+  """The control: a gather of loop-invariant shards written in the loop."""
+
+  def gather_in_loop(shards, batch):
+    def step(total, microbatch):
+      tied = shards
+      if barrier:
+        tied, _ = lax.optimization_barrier((shards, microbatch))
+      whole = lax.all_gather(tied, "data", tiled=True)
+      return total + jnp.sum(microbatch @ whole), None
+
+    zero = oa.device_local(jnp.zeros([]), "data")
+    total, _ = lax.scan(step, zero, batch.reshape(K, -1, DIM))
+    return lax.psum(total, "data")
+
+  with jax.set_mesh(_mesh(axis_type=AxisType.Auto)):
+    step = jax.jit(jax.shard_map(
+        gather_in_loop, in_specs=(P("data"), P("data")), out_specs=P()))
+    counts = oa.count_collectives(step.lower(
+        jnp.ones((DIM, 4)), jnp.ones((BATCH, DIM))).compile())
+  assert counts.in_loop == ({"all-gather": 1} if barrier else {})
+
+
+# Memory per device, from the compiled programs.
+
+LAYERS, WIDTH, ROWS = 4, 256, 8 * N  # parameter-heavy: 1 MiB of f32 weights.
+PARAM_BYTES = LAYERS * WIDTH * WIDTH * 4
+
+
+def _stack_loss(params, batch):
+  h = batch["x"]
+  for w in params:
+    h = jnp.tanh(h @ w)
+  return jnp.mean(h**2)
+
+
+def _memory_per_device(gradient_sync, gather_params):
+  mesh = _mesh()
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(
+      shape, jnp.float32, sharding=jax.NamedSharding(mesh, spec))
+  params = [sds((WIDTH, WIDTH), P("data"))] * LAYERS
+  batch = {"x": sds((ROWS, WIDTH), P("data"))}
+  fn = oa.value_and_grad(
+      _stack_loss, num_microbatches=K, axis_name="data",
+      gradient_sync=gradient_sync, gather_params=gather_params)
+  with jax.set_mesh(mesh):
+    memory = jax.jit(fn).lower(params, batch).compile().memory_analysis()
+  return (memory.temp_size_in_bytes + memory.argument_size_in_bytes
+          + memory.output_size_in_bytes - memory.alias_size_in_bytes)
+
+
+def test_per_microbatch_policies_cut_memory_per_device():
+  memory = {policy: _memory_per_device(*policy) for policy in POLICIES}
+  report = {p: f"{m / PARAM_BYTES:.2f} x params" for p, m in memory.items()}
+  whole_minus_shard = (1 - 1 / N) * PARAM_BYTES
+  # A sharded gradient sum instead of a whole one: 7/8 of the parameter
+  # bytes less, give or take a little scheduling.
+  saved = memory[ONCE, ONCE] - memory[EVERY, ONCE]
+  assert 0.8 * whole_minus_shard <= saved <= 1.25 * whole_minus_shard, report
+  saved = memory[ONCE, EVERY] - memory[EVERY, EVERY]
+  assert 0.8 * whole_minus_shard <= saved <= 1.25 * whole_minus_shard, report
+  # Per-micro-batch gathers: on CPU the gathered layers live from their
+  # forward to their backward use within a micro-batch (no re-gather), so
+  # the saving is about one layer here, not 7/8 of the parameters.
+  layer = PARAM_BYTES / LAYERS
+  assert memory[ONCE, ONCE] - memory[ONCE, EVERY] >= 0.9 * layer, report
+  assert memory[EVERY, ONCE] - memory[EVERY, EVERY] >= 0.9 * layer, report
+
+
+# Arguments.
+
+
+def test_bad_policies_and_param_specs_are_named_at_construction():
+  with pytest.raises(ValueError, match="gradient_sync must be one of"):
+    oa.value_and_grad(raw_mean_loss, num_microbatches=K,
+                      gradient_sync="always")
+  with pytest.raises(ValueError, match=r"gather_params .* got 'never'"):
+    oa.value_and_grad(raw_mean_loss, num_microbatches=K,
+                      gather_params="never")
+  with pytest.raises(TypeError, match=r"param_specs\['w1'\] must be a"):
+    oa.value_and_grad(raw_mean_loss, num_microbatches=K,
+                      param_specs={"w1": "data"})
+
+
+def test_param_specs_that_do_not_match_the_params_are_named():
+  fn = _fn(EVERY, EVERY, param_specs={"w": P("data")})
+  with jax.set_mesh(_mesh()):
+    with pytest.raises(ValueError, match="param_specs must be a"):
+      jax.jit(fn).lower(jax.device_put(_params(), SPECS),
+                        jax.device_put(_data(), P("data")))
