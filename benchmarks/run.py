@@ -33,6 +33,7 @@ BENCHMARKS = (
     "bench_sweep",           # d. time and temporary memory vs k
     "bench_memory",          # e. accumulator memory
     "bench_coupled",         # f. a loss coupling the batch vs the full batch
+    "bench_noise_scale",     # g. with_stats=True vs without
 )
 RESULTS_DIR = os.path.join(_HERE, "results")
 

@@ -80,7 +80,7 @@ def test_train_lm_accumulation_follows_the_full_batch_and_naive_does_not(
 
 @pytest.mark.parametrize("script", [
     "train_lm/main", "mesh_2d/main", "batchnorm_linen", "resume",
-    "scan_train_step"])
+    "scan_train_step", "contrastive/main", "noise_scale/main", "plan"])
 def test_help_gives_every_flag_a_help_text_and_its_default(
     script, monkeypatch):
   example = import_example(script)

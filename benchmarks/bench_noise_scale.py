@@ -1,0 +1,130 @@
+"""g. The cost of the gradient noise scale: ``with_stats=True`` vs without.
+
+``oa.value_and_grad(loss, num_microbatches=k, with_stats=True)`` vs the same
+call without statistics, on the models of c. The statistics cost one squared
+norm of each micro-batch's gradient (a pass over the gradient, no pass over
+the data) and a few scalars. Checked: the value and gradient are those of the
+call without statistics, and the statistics are finite.
+"""
+
+import jax
+import numpy as np
+
+import _models
+import harness
+import optax_accum as oa
+import report
+
+KEY = "g"
+TITLE = "Gradient noise scale: with_stats=True vs without"
+# The sizes of c: the overhead is relative to the same gradient computation.
+CONFIGS = {
+    "full": {"k": 8, "reps": 9, "models": {
+        "mlp": {"kind": "mlp", "batch_size": 4096, "d_in": 1024,
+                "width": 2048, "depth": 4, "d_out": 1024},
+        "transformer": {"kind": "transformer", "batch_size": 32,
+                        "seq_len": 128, "d_model": 256, "num_heads": 4,
+                        "num_layers": 2, "vocab_size": 2048}}},
+    "quick": {"k": 8, "reps": 7, "models": {
+        "mlp": {"kind": "mlp", "batch_size": 2048, "d_in": 512,
+                "width": 1024, "depth": 4, "d_out": 512},
+        "transformer": {"kind": "transformer", "batch_size": 16,
+                        "seq_len": 64, "d_model": 128, "num_heads": 4,
+                        "num_layers": 2, "vocab_size": 512}}},
+    "toy": {"k": 2, "reps": 1, "models": {
+        "mlp": {"kind": "mlp", "batch_size": 8, "d_in": 8, "width": 16,
+                "depth": 2, "d_out": 4}}},
+}
+STATS, PLAIN = "with_stats=True", "without"
+TARGET = 1.03  # Most of the plain call's time that the statistics may take.
+
+
+def candidates(loss_fn, k):
+  """With and without statistics, jitted (not yet compiled).
+
+  Each row of the models' batches is one item of the mean loss.
+  """
+  def fn(with_stats):
+    return jax.jit(oa.value_and_grad(
+        loss_fn, num_microbatches=k, num_tokens_fn=_models.batch_size_of,
+        with_stats=with_stats))
+  return {STATS: fn(True), PLAIN: fn(False)}
+
+
+def time_model(spec, k, reps):
+  params, batch, loss_fn = _models.build_model(spec)
+  compiled = {name: f.lower(params, batch).compile()
+              for name, f in candidates(loss_fn, k).items()}
+  times = harness.interleaved(harness.compiled_calls(compiled, params, batch),
+                              reps=reps)
+  summaries = harness.summarize_times(times)
+  value, grads, stats = compiled[STATS](params, batch)
+  plain_value, plain_grads = compiled[PLAIN](params, batch)
+  return {
+      "spec": spec, "k": k, "param_bytes": harness.tree_bytes(params),
+      "candidates": {name: {"call": summaries[name],
+                            "temp_bytes": harness.memory(c)["temp_bytes"]}
+                     for name, c in compiled.items()},
+      "loss_abs_diff": float(abs(value - plain_value)),
+      "max_abs_grad_diff": harness.max_abs_diff(grads, plain_grads),
+      "max_abs_grad": harness.max_abs(plain_grads),
+      "stats": {name: float(x) for name, x in stats._asdict().items()},
+  }
+
+
+def run(cfg):
+  return {name: time_model(spec, cfg["k"], cfg["reps"])
+          for name, spec in cfg["models"].items()}
+
+
+def _ratio(e):
+  c = e["candidates"]
+  return c[STATS]["call"]["median_s"] / c[PLAIN]["call"]["median_s"]
+
+
+def checks(result):
+  out = []
+  for model, e in result.items():
+    out.append(harness.Check(
+        f"{model}: max abs grad diff with vs without stats / max abs grad",
+        e["max_abs_grad_diff"] / e["max_abs_grad"], 1e-6))
+    out.append(harness.Check(
+        f"{model}: statistics that are not finite",
+        float(sum(not np.isfinite(x) for x in e["stats"].values())), 0.0))
+  return out
+
+
+def summary_rows(result):
+  rows = []
+  for model, e in result.items():
+    c = e["candidates"]
+    ours, plain = (c[n]["call"]["median_s"] for n in (STATS, PLAIN))
+    rows.append(report.Row(
+        f"g. {model}: oa.value_and_grad(k={e['k']}) with_stats=True /"
+        " without", report.ms(ours), report.ms(plain), f"{ours / plain:.3f}x",
+        f"<= {TARGET:.2f}x", ours / plain <= TARGET))
+  return rows
+
+
+def markdown(result):
+  lines = ["| model | candidate | call median (p25-p75) | / without |"
+           " temp memory |", "|---|---|---|---|---|"]
+  for model, e in result.items():
+    plain = e["candidates"][PLAIN]["call"]["median_s"]
+    for name, c in e["candidates"].items():
+      call = c["call"]
+      lines.append(
+          f"| {model} | {name} | {report.ms(call['median_s'])}"
+          f" ({report.ms(call['p25_s'])}-{report.ms(call['p75_s'])}) |"
+          f" {call['median_s'] / plain:.3f}x | {report.mib(c['temp_bytes'])} |")
+  lines.append("")
+  for model, e in result.items():
+    s = e["stats"]
+    lines.append(
+        f"- {model}: `{report.spec(e['spec'])}`, params"
+        f" {report.mib(e['param_bytes'])}; statistics of this batch (random"
+        f" data, rows as items): noise scale {s['noise_scale']:.3g},"
+        f" |G|^2 {s['grad_sq_norm']:.3g}, tr(Sigma) {s['trace_cov']:.3g},"
+        f" {s['num_microbatches']:.0f} micro-batches; gradients differ from"
+        f" the call without statistics by {e['max_abs_grad_diff']:.1e}.")
+  return lines
