@@ -11,6 +11,8 @@ with None for the missing parts; the caller gets :func:`jax.value_and_grad`'s.
 import functools
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
+
 
 class Inputs(NamedTuple):
   """One call's inputs after ``params``, as the loop reads them."""
@@ -20,6 +22,22 @@ class Inputs(NamedTuple):
   args: tuple[Any, ...]  # passed whole to every micro-batch.
   kwargs: dict[str, Any]  # passed whole to every micro-batch.
   rng: Any  # a PRNG key or None: one key per micro-batch derived from it.
+
+
+def _describe(x: Any) -> str:
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"a single array of dtype {x.dtype} and shape {tuple(x.shape)}"
+  return type(x).__name__
+
+
+def _scalar(loss: Any) -> Any:
+  """``loss``, or a clear error if it is not a scalar."""
+  if jnp.ndim(loss) != 0:
+    raise ValueError(
+        "loss_fn must return a scalar loss (a mean or sum over its"
+        f" micro-batch), got shape {jnp.shape(loss)}."
+    )
+  return loss
 
 
 def normalize(loss_fn, has_aux, has_state):
@@ -37,13 +55,14 @@ def normalize(loss_fn, has_aux, has_state):
     else:
       out = loss_fn(params, microbatch, *inputs.args, **kwargs)
     if not (has_aux or has_state):
-      return out, (None, None)
+      return _scalar(out), (None, None)
     if not isinstance(out, tuple) or len(out) != 2:
       raise ValueError(
           "loss_fn must return a pair (loss, aux) with has_aux=True or"
-          f" has_state=True, got {type(out).__name__}."
+          f" has_state=True, got {_describe(out)}."
       )
     loss, rest = out
+    loss = _scalar(loss)
     if not has_state:
       return loss, (None, rest)
     if not has_aux:

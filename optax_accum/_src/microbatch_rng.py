@@ -41,9 +41,10 @@ def check(rng: Any) -> Any:
       return rng
   elif dtype == jnp.uint32 and shape is not None and len(shape) == 1:
     return rng
+  got = (f"{rng!r} of type {type(rng).__name__}" if dtype is None
+         else f"an array of dtype {dtype} and shape {shape}")
   raise TypeError(
-      "rng must be one PRNG key, e.g. jax.random.key(0), or None, got"
-      f" {type(rng).__name__} with dtype {dtype} and shape {shape}."
+      f"rng must be one PRNG key, e.g. jax.random.key(0), or None, got {got}."
   )
 
 
