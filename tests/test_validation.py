@@ -141,7 +141,7 @@ def test_every_k_callable_must_return_an_integer_scalar():
 def test_value_and_grad_names_loss_fn_when_its_loss_is_not_a_scalar():
   batch = {"x": jnp.ones(8)}
   per_row = oa.value_and_grad(lambda w, mb: mb["x"] * w, num_microbatches=2)
-  with pytest.raises(ValueError, match=r"loss_fn must return a scalar loss.*\(4,\)"):
+  with pytest.raises(ValueError, match=r"must return a scalar loss.*\(4,\)"):
     per_row(jnp.float32(1.0), batch)
   no_aux = oa.value_and_grad(lambda w, mb: jnp.sum(mb["x"] * w),
                              num_microbatches=2, has_aux=True)
