@@ -11,29 +11,18 @@ import jax
 import numpy as np
 
 import _models
+import bench_value_and_grad
 import harness
 import optax_accum as oa
 import report
 
 KEY = "g"
 TITLE = "Gradient noise scale: with_stats=True vs without"
-# The sizes of c: the overhead is relative to the same gradient computation.
+# The models and sizes of c: the overhead is relative to the same gradient
+# computation; the full run takes more repetitions for a ratio near 1.
 CONFIGS = {
-    "full": {"k": 8, "reps": 9, "models": {
-        "mlp": {"kind": "mlp", "batch_size": 4096, "d_in": 1024,
-                "width": 2048, "depth": 4, "d_out": 1024},
-        "transformer": {"kind": "transformer", "batch_size": 32,
-                        "seq_len": 128, "d_model": 256, "num_heads": 4,
-                        "num_layers": 2, "vocab_size": 2048}}},
-    "quick": {"k": 8, "reps": 7, "models": {
-        "mlp": {"kind": "mlp", "batch_size": 2048, "d_in": 512,
-                "width": 1024, "depth": 4, "d_out": 512},
-        "transformer": {"kind": "transformer", "batch_size": 16,
-                        "seq_len": 64, "d_model": 128, "num_heads": 4,
-                        "num_layers": 2, "vocab_size": 512}}},
-    "toy": {"k": 2, "reps": 1, "models": {
-        "mlp": {"kind": "mlp", "batch_size": 8, "d_in": 8, "width": 16,
-                "depth": 2, "d_out": 4}}},
+    size: {**cfg, "reps": 9 if size == "full" else cfg["reps"]}
+    for size, cfg in bench_value_and_grad.CONFIGS.items()
 }
 STATS, PLAIN = "with_stats=True", "without"
 TARGET = 1.03  # Most of the plain call's time that the statistics may take.
