@@ -322,7 +322,10 @@ def test_value_and_grad_with_stats_equals_the_brute_force(loss):
       loss, num_microbatches=k, num_tokens_fn=helpers.num_tokens,
       loss_reduction="mean" if loss is mean_loss else "sum")
   expected_value, expected_grads = jax.jit(plain)(_params(), batch)
-  helpers.assert_trees_equal((value, grads), (expected_value, expected_grads))
+  # To float32 rounding: XLA may fuse the two programs differently (jax 0.9.1
+  # differs from the call without statistics by 1 ulp in one element).
+  helpers.assert_trees_close((value, grads), (expected_value, expected_grads),
+                             rtol=1e-6, atol=1e-7)
 
 
 def _accumulate_stats(tx, params, microbatches, end_with_emit=False):
