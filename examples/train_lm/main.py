@@ -10,7 +10,7 @@ rounding and (c) optimizes another objective. See README.md.
 
 Run it from the repository root::
 
-  python examples/train_lm/main.py     # 2 to 3 minutes on 2 CPU cores
+  python examples/train_lm/main.py     # about a minute on 2 idle CPU cores
   python examples/train_lm/main.py --k 4 --steps 300 --out /tmp/lm.png
 """
 
