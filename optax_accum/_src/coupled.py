@@ -262,18 +262,17 @@ def _over_mesh(c: _Coupled, params, batch, args, rng):
   ``aux`` leaves come back with a new leading axis, one entry per device.
   """
   axis_name = c.axis_name
-  # One home for the error that says how to set the mesh.
-  size = mesh_loop._mesh_axis_size(axis_name)
+  size = mesh_loop.mesh_axis_size(axis_name)
   batching.check_divisible(
       batching.batch_size(batch), c.num_microbatches, devices=size
   )
   param_specs = jax.tree.map(lambda p: sharding.spec_over(p, axis_name), params)
   if axes.all_explicit(axis_name):
     batch = jax.tree.map(
-        lambda x: sharding.without_axes(x, axis_name, True), batch
+        lambda x: sharding.laid_out_over(x, axis_name, 0), batch
     )
     args = jax.tree.map(
-        lambda x: sharding.without_axes(x, axis_name, False), args
+        lambda x: sharding.laid_out_over(x, axis_name, None), args
     )
 
   def body(params, batch, args, rng):

@@ -21,7 +21,8 @@ from optax_accum._src import fsdp
 from optax_accum._src import sharding
 
 
-def _mesh_axis_size(axis_name: axes.AxisName) -> int:
+def mesh_axis_size(axis_name: axes.AxisName) -> int:
+  """The size of ``axis_name`` in the current mesh, or how to set the mesh."""
   size = axes.mesh_axis_size(axis_name)
   if size is None:
     raise ValueError(
@@ -34,31 +35,11 @@ def _mesh_axis_size(axis_name: axes.AxisName) -> int:
 
 
 def _batch_spec(axis: int | None, axis_name: axes.AxisName) -> P:
-  """A batch leaf's spec: split over the axis along ``axis``, or replicated."""
-  return P() if axis is None else P(*([None] * axis), axis_name)
+  """A batch leaf's spec: split over the axis along ``axis``, or replicated.
 
-
-def _laid_out(x: Any, axis: int | None, axis_name: axes.AxisName) -> Any:
-  """Reshards an explicitly sharded ``x`` to :func:`_batch_spec`'s layout.
-
-  Along ``axis`` it is split over ``axis_name`` (None: replicated over it);
-  its other dimensions keep their sharding over other mesh axes.
+  :func:`sharding.laid_out_over` lays a leaf out so.
   """
-  spec = sharding.explicit_spec(x)
-  if spec is None:
-    return x
-  dropped = set(axes.axes_of(axis_name))
-  entries = list(spec) + [None] * (jnp.ndim(x) - len(spec))
-  kept = []
-  for entry in entries:
-    names = () if entry is None else axes.axes_of(entry)
-    names = tuple(n for n in names if n not in dropped)
-    kept.append(None if not names else names[0] if len(names) == 1 else names)
-  if axis is not None:
-    kept[axis] = axis_name
-  if tuple(kept) == tuple(entries):
-    return x
-  return jax.sharding.reshard(x, P(*kept))
+  return P() if axis is None else P(*([None] * axis), axis_name)
 
 
 def over_mesh(
@@ -95,7 +76,7 @@ def over_mesh(
     devices along its first axis after the micro-batch axis, a reduced one
     is the same on every device.
   """
-  size = _mesh_axis_size(axis_name)
+  size = mesh_axis_size(axis_name)
   leaf_axes = batching.leaf_axes(batch, batch_axes)
   batching.check_divisible(
       batching.split_size(batch, leaf_axes), num_microbatches, devices=size
@@ -110,9 +91,11 @@ def over_mesh(
     param_specs = fsdp.specs_like(params, param_specs, axis_name)
   if axes.all_explicit(axis_name):
     batch = treedef.unflatten([
-        _laid_out(x, a, axis_name) for x, a in zip(leaves, leaf_axes)])
+        sharding.laid_out_over(x, axis_name, a)
+        for x, a in zip(leaves, leaf_axes)
+    ])
     replicated = jax.tree.map(
-        lambda x: _laid_out(x, None, axis_name), replicated)
+        lambda x: sharding.laid_out_over(x, axis_name, None), replicated)
 
   def body(params, batch, replicated):
     loss, grads, model_state, aux, stats = data_parallel(

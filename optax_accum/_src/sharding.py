@@ -111,16 +111,16 @@ def sum_into_shards(
   return treedef.unflatten(out), extra
 
 
-def without_axes(x: Any, axis_name: axes.AxisName, leading: bool) -> Any:
-  """Reshards an explicitly sharded ``x`` to ``P(axis_name)`` or replicated.
+def laid_out_over(x: Any, axis_name: axes.AxisName, split: int | None) -> Any:
+  """Reshards an explicitly sharded ``x`` for a shard_map over ``axis_name``.
 
-  With ``leading``, its leading axis is split over ``axis_name`` (a batch);
-  otherwise it is replicated over ``axis_name``. Other axes keep their
-  sharding.
+  Dimension ``split`` is split over ``axis_name`` (a batch axis); with None,
+  ``x`` is replicated over it. Its other dimensions keep their sharding over
+  other mesh axes. Arrays whose type carries no Explicit sharding are
+  returned as they are.
   """
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  if spec is None or (jnp.ndim(x) == 0 and not leading):
+  spec = explicit_spec(x)
+  if spec is None:
     return x
   dropped = set(axes.axes_of(axis_name))
   entries = list(spec) + [None] * (jnp.ndim(x) - len(spec))
@@ -129,12 +129,11 @@ def without_axes(x: Any, axis_name: axes.AxisName, leading: bool) -> Any:
                    and n not in dropped))
       for e in entries
   ]
-  if leading:
-    kept[0] = axis_name
-  target = P(*kept)
-  if tuple(target) == tuple(entries):
+  if split is not None:
+    kept[split] = axis_name
+  if tuple(kept) == tuple(entries):
     return x
-  return jax.sharding.reshard(x, target)
+  return jax.sharding.reshard(x, P(*kept))
 
 
 def sq_norm_of_shards(tree: Any, specs: Any, sq_norm: Any) -> jax.Array:
