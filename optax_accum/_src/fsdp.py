@@ -71,27 +71,15 @@ def check_param_specs(param_specs: Any) -> Any:
   return param_specs
 
 
-def over_axis(spec: P, axis_name: axes.AxisName) -> P:
-  """The part of ``spec`` over ``axis_name``; other mesh axes are dropped."""
-  wanted = set(axes.axes_of(axis_name))
-  entries = []
-  for entry in spec:
-    names = () if entry is None else axes.axes_of(entry)
-    kept = tuple(n for n in names if n in wanted)
-    entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-  while entries and entries[-1] is None:
-    entries.pop()
-  return P(*entries)
-
-
 def specs_like(params: Any, param_specs: Any, axis_name: axes.AxisName) -> Any:
   """``param_specs`` (a spec or a tree prefix) as one spec per parameter."""
   if isinstance(param_specs, P):
-    return jax.tree.map(lambda _: over_axis(param_specs, axis_name), params)
+    spec = sharding.restrict(param_specs, axis_name)
+    return jax.tree.map(lambda _: spec, params)
   try:
     return jax.tree.map(
         lambda spec, sub: jax.tree.map(
-            lambda _: over_axis(spec, axis_name), sub
+            lambda _: sharding.restrict(spec, axis_name), sub
         ),
         param_specs, params, is_leaf=lambda x: isinstance(x, P),
     )
@@ -196,12 +184,6 @@ def zero_grads(lay: Layout, held: Any, dtype: Any) -> Any:
   )
 
 
-def _scatter(x: Any, spec: P) -> Any:
-  for dim, dim_axes in sharding.sharded_dims(spec):
-    x = lax.psum_scatter(x, dim_axes, scatter_dimension=dim, tiled=True)
-  return x
-
-
 def add_grads(lay: Layout, total: Any, grads: Any,
               c: token_weighting.Contribution) -> Any:
   """Adds one micro-batch's weighted gradient to the running sum.
@@ -213,7 +195,7 @@ def add_grads(lay: Layout, total: Any, grads: Any,
   def add(s, g, spec):
     term = token_weighting.weighted(g, c, s.dtype)
     if _syncs_in_loop(lay, spec):
-      term = _scatter(term, spec)
+      term, _ = sharding.scatter(term, spec)
     return s + term.reshape(s.shape)
 
   return jax.tree.map(add, total, grads, lay.specs)

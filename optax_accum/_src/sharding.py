@@ -37,26 +37,27 @@ def _entry(names: tuple[str, ...]) -> Any:
   return None if not names else names[0] if len(names) == 1 else names
 
 
+def restrict(spec: P, axis_name: axes.AxisName) -> P:
+  """The part of ``spec`` over ``axis_name``; other mesh axes are dropped."""
+  wanted = set(axes.axes_of(axis_name))
+  entries = [
+      _entry(tuple(n for n in axes.axes_of(e) if n is not None and n in wanted))
+      for e in spec
+  ]
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)
+
+
 def spec_over(x: Any, axis_name: axes.AxisName) -> P:
   """The part of ``x``'s sharding that is over ``axis_name``, as a spec.
 
   Only explicitly sharded arrays (``AxisType.Explicit`` meshes) carry their
   sharding in their type; other arrays give ``P()``.
   """
-  wanted = set(axes.axes_of(axis_name))
   sharding = getattr(jax.typeof(x), "sharding", None)
   spec = getattr(sharding, "spec", None)
-  if spec is None:
-    return P()
-  entries = []
-  for entry in spec:
-    names = entry if isinstance(entry, tuple) else (entry,)
-    entries.append(
-        _entry(tuple(n for n in names if isinstance(n, str) and n in wanted))
-    )
-  while entries and entries[-1] is None:
-    entries.pop()
-  return P(*entries)
+  return P() if spec is None else restrict(spec, axis_name)
 
 
 def sharded_dims(spec: P) -> list[tuple[int, tuple[str, ...]]]:
@@ -71,7 +72,7 @@ def gather(x: Any, spec: P) -> Any:
   return x
 
 
-def _scatter(leaf: Any, spec: P) -> tuple[Any, set[str]]:
+def scatter(leaf: Any, spec: P) -> tuple[Any, set[str]]:
   """Reduce-scatters ``leaf`` into its shard; returns it and the axes used."""
   used = set()
   for dim, dim_axes in sharded_dims(spec):
@@ -99,7 +100,7 @@ def sum_into_shards(
   to_psum = []
   out = [None] * len(leaves)
   for i, (leaf, spec) in enumerate(zip(leaves, spec_leaves)):
-    leaf, used = _scatter(leaf, spec)
+    leaf, used = scatter(leaf, spec)
     if not used:
       to_psum.append(i)
       continue
