@@ -153,10 +153,6 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
         params_for(index), model_state, microbatch, inputs,
         _rng_for(inputs, index, opts)
     )
-    if jnp.ndim(value) != 0:
-      raise ValueError(
-          f"loss_fn must return a scalar loss, got shape {jnp.shape(value)}."
-      )
     tokens = _token_count(opts.num_tokens_fn, microbatch)
     c = token_weighting.contribution(tokens, opts.loss_reduction)
     running, stacked = sums.aux, aux
