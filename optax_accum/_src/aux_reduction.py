@@ -20,10 +20,8 @@ of the gradient).
 from typing import Any, NamedTuple
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 
-from optax_accum._src import axes
 from optax_accum._src import sharding
 from optax_accum._src import token_weighting
 from optax_accum._src import validation
@@ -128,20 +126,20 @@ def update(running: Running, leaves: list[Any], reductions: list[str],
   return Running(sums, extrema), stacked
 
 
-def extrema_over(running: Running, reductions: list[str],
-                 axis_name: axes.AxisName) -> Running:
-  """The max and min leaves over the devices of ``axis_name``.
+def split_extrema(running: Running,
+                  reductions: list[str]) -> tuple[list[Any], list[Any]]:
+  """The running ``"max"`` leaves and ``"min"`` leaves, as two lists."""
+  pick = lambda name: [e for e, r in zip(running.extrema, reductions)
+                       if r == name]
+  return pick("max"), pick("min")
 
-  One collective for all the max leaves, one for all the min leaves.
-  """
-  extrema = list(running.extrema)
-  for name, collective in (("max", lax.pmax), ("min", lax.pmin)):
-    where = [j for j, r in enumerate(reductions) if r == name]
-    if where:
-      reduced = collective([extrema[j] for j in where], axis_name)
-      for j, e in zip(where, reduced):
-        extrema[j] = e
-  return running._replace(extrema=extrema)
+
+def join_extrema(sums: list[Any], reductions: list[str], maxima: list[Any],
+                 minima: list[Any]) -> Running:
+  """The :class:`Running` that :func:`split_extrema` split (reduced)."""
+  by_name = {"max": iter(maxima), "min": iter(minima)}
+  extrema = [next(by_name[r]) if r in by_name else None for r in reductions]
+  return Running(sums, extrema)
 
 
 def finish(running: Running, stacked: list[Any], reductions: list[str],

@@ -107,6 +107,8 @@ class Split(NamedTuple):
   leaves: list[Any]  # each leaf with a micro-batch axis exposed, or whole.
   axes: list[int | None]  # the micro-batch axis of each leaf, or None.
   treedef: Any  # the batch's structure.
+  strided: bool  # micro-batch i holds rows i, i + k, ...: not contiguous.
+  rows: int  # rows per micro-batch.
 
 
 def leaf_axes(batch: Any, batch_axes: Any) -> list[int | None]:
@@ -238,7 +240,25 @@ def split(
     out.append(_reshape(leaf, axis, shape[:axis] + split_shape
                         + shape[axis + 1 :], strided))
     index_axes.append(axis + 1 if strided else axis)
-  return Split(out, index_axes, treedef)
+  return Split(out, index_axes, treedef, strided, rows)
+
+
+def merge_rows(stacked: Any, strided: bool) -> Any:
+  """Per-micro-batch rows ``(k, rows, ...)`` back in the batch's row order."""
+  if strided:
+    stacked = jnp.swapaxes(stacked, 0, 1)
+  return jnp.reshape(stacked, (-1,) + jnp.shape(stacked)[2:])
+
+
+def split_rows(x: Any, num_microbatches: int, strided: bool) -> Any:
+  """The batch's rows ``(B, ...)`` as per-micro-batch rows ``(k, rows, ...)``.
+
+  The inverse of :func:`merge_rows`.
+  """
+  k, rest = num_microbatches, jnp.shape(x)[1:]
+  if strided:
+    return jnp.swapaxes(jnp.reshape(x, (-1, k) + rest), 0, 1)
+  return jnp.reshape(x, (k, -1) + rest)
 
 
 def take(batch_split: Split, index: Any) -> Any:

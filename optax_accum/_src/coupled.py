@@ -10,21 +10,25 @@ micro-batches, holding one micro-batch's activations at a time.
 """
 
 from collections.abc import Callable
+import functools
 import math
 from typing import Any, NamedTuple
 
 import jax
 from jax import lax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from optax_accum._src import aux_reduction
 from optax_accum._src import axes
 from optax_accum._src import batching
 from optax_accum._src import coupled_passes
-from optax_accum._src import mesh_loop
+from optax_accum._src import fsdp
+from optax_accum._src import loss_signature
 from optax_accum._src import microbatch_rng
+from optax_accum._src import runner
 from optax_accum._src import sharding
+from optax_accum._src import stages
 from optax_accum._src import validation
 
 
@@ -49,7 +53,11 @@ def _over_rows(collective: Callable[[jax.Array], jax.Array],
   Leaves of a dtype are flattened to ``(rows, features)`` and concatenated
   along the features, so that two towers' representations (or their
   cotangents) travel in one all-gather (or reduce-scatter), not one each.
+  Leaves sharded over other Explicit mesh axes (tensor parallelism) travel
+  one by one, on their local blocks (:func:`sharding.blockwise`).
   """
+  if any(sharding.explicit_spec(x) is not None for x in leaves):
+    return [sharding.blockwise(collective, x) for x in leaves]
   groups = {}
   for i, leaf in enumerate(leaves):
     groups.setdefault(jnp.result_type(leaf), []).append(i)
@@ -71,72 +79,64 @@ class _Coupled(NamedTuple):
   loss_fn: Callable[..., Any]
   num_microbatches: int
   has_aux: bool
-  axis_name: axes.AxisName | None
   accumulator_dtype: Any
+  batch_axes: Any
 
 
-def _per_device(c: _Coupled, params, batch, args, rng):
+def _local(c: _Coupled, params, inputs, lay) -> stages.Partials:
   """Loss, aux and this device's gradient sum, before any reduction.
 
-  With ``axis_name`` the loss is the mean of the devices' losses on the
+  With a data axis the loss is the mean of the devices' losses on the
   gathered representations, so each device's share (loss, direct gradient,
   representation cotangent) is divided by the number of devices; the
   reduce-scatter sums the cotangents of each device's rows.
   """
+  axis_name = None if lay is None else lay.axis_name
   k = c.num_microbatches
-  microbatches = batching.split_microbatches(batch, k)
-  keys = _microbatch_keys(rng, k, c.axis_name)
+  batch_split = batching.split(inputs.batch, c.batch_axes, k,
+                               sharded_layout_for_auto=lay is None)
+  keys = _microbatch_keys(inputs.rng, k, axis_name)
   reps = coupled_passes.encode_all(
-      c.encode_fn, params, microbatches, keys, args
-  )
+      c.encode_fn, params, batch_split, keys, inputs.args)
   devices = 1
-  if c.axis_name is not None:
-    devices = _axis_size(c.axis_name)
+  if axis_name is not None:
+    devices = _axis_size(axis_name)
     leaves, treedef = jax.tree.flatten(reps)
     reps = treedef.unflatten(_over_rows(
-        lambda x: lax.all_gather(x, c.axis_name, axis=0, tiled=True), leaves
+        lambda x: lax.all_gather(x, axis_name, axis=0, tiled=True), leaves
     ))
   out = coupled_passes.loss_on_reps(
-      c.loss_fn, c.has_aux, params, reps, batch, args
+      c.loss_fn, c.has_aux, params, reps, inputs.batch, inputs.args
   )
   cotangents = out.cotangents
-  if c.axis_name is not None:
+  if axis_name is not None:
     cotangents = _over_rows(
         lambda x: lax.psum_scatter(
-            x, c.axis_name, scatter_dimension=0, tiled=True
+            x, axis_name, scatter_dimension=0, tiled=True
         ),
         cotangents,
     )
-  cotangents = [
-      (t / devices).reshape((k, -1) + t.shape[1:]) for t in cotangents
-  ]
+  cotangents = [batching.split_rows(t / devices, k, batch_split.strided)
+                for t in cotangents]
   init = jax.tree.map(
       lambda g: (g / devices).astype(c.accumulator_dtype), out.direct
   )
+  if axis_name is not None:
+    init = axes.device_local(init, axis_name)
   grad_sum = coupled_passes.pull_back(
-      c.encode_fn, params, microbatches, keys, cotangents, init, args
+      c.encode_fn, params, batch_split, keys, cotangents, init, inputs.args
   )
-  return out.loss / devices, out.aux, grad_sum
+  return stages.Partials(grads=grad_sum, sums=out.loss / devices,
+                         maxima=[], minima=[], means=None, rest=out.aux)
 
 
-def _as_params(grad_sum, params):
-  return jax.tree.map(
-      lambda s, p: s.astype(jnp.result_type(p)), grad_sum, params
-  )
-
-
-def _data_parallel(c: _Coupled, params, batch, args, rng, param_specs=None):
-  """Inside shard_map or pmap: gather params, run, reduce once."""
-  if param_specs is None:
-    param_specs = jax.tree.map(lambda _: P(), params)
-  full_params = jax.tree.map(sharding.gather, params, param_specs)
-  # A device-local copy: autodiff must not sum over the axis per micro-batch.
-  local_params = axes.device_local(full_params, c.axis_name)
-  loss, aux, grad_sum = _per_device(c, local_params, batch, args, rng)
-  grad_sum, loss = sharding.sum_into_shards(
-      grad_sum, param_specs, loss, c.axis_name
-  )
-  return loss, aux, _as_params(grad_sum, params)
+def _finalize(partials: stages.Partials, params, sq_norm) -> stages.Result:
+  del sq_norm  # no statistics here.
+  grads = jax.tree.map(
+      lambda s, p: s.astype(jnp.result_type(p)), partials.grads, params)
+  return stages.Result(
+      loss=partials.sums, grads=grads, model_state=None,
+      aux=aux_reduction.Parts(partials.rest, None), stats=None)
 
 
 def coupled_value_and_grad(
@@ -147,6 +147,8 @@ def coupled_value_and_grad(
     has_aux: bool = False,
     axis_name: axes.AxisName | None = None,
     accumulator_dtype: Any = jnp.float32,
+    batch_axes: Any = 0,
+    param_specs: Any = None,
 ) -> Callable[..., Any]:
   r"""Value and gradient of a loss coupling a batch, by micro-batches.
 
@@ -201,6 +203,12 @@ def coupled_value_and_grad(
     has_aux: whether ``loss_fn`` returns auxiliary data.
     axis_name: data-parallel axis (or axes): a manual axis or a mesh axis.
     accumulator_dtype: floating dtype of the gradient's running sum.
+    batch_axes: the axis of each batch leaf to split into micro-batches, as
+      for :func:`optax_accum.value_and_grad`; ``encode_fn``'s
+      representations keep one row per example along their leading axis,
+      in the batch's order.
+    param_specs: how the parameters are sharded over ``axis_name``, as for
+      :func:`optax_accum.value_and_grad` (None: read off their types).
 
   Returns:
     ``fn(params, batch, *args, rng=None)`` returning ``(loss, grads)``, or
@@ -233,57 +241,26 @@ def coupled_value_and_grad(
   num_microbatches = validation.check_positive_int(
       "num_microbatches", num_microbatches
   )
-  has_aux = validation.check_bool("has_aux", has_aux)
-  axis_name = validation.check_axis_name(axis_name)
-  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
+  coupled = _Coupled(
+      encode_fn, loss_fn, num_microbatches,
+      validation.check_bool("has_aux", has_aux),
+      validation.check_accumulator_dtype(accumulator_dtype),
+      batching.check_batch_axes(batch_axes),
+  )
+  program = stages.Program(
+      local=functools.partial(_local, coupled), finalize=_finalize,
+      aux_axis=0, new_aux_axis=True, coupled=True)
+  settings = runner.Settings(
+      validation.check_axis_name(axis_name), num_microbatches,
+      coupled.batch_axes, fsdp.check_param_specs(param_specs), fsdp.Policy())
 
-  coupled = _Coupled(encode_fn, loss_fn, num_microbatches, has_aux,
-                     axis_name, accumulator_dtype)
-
+  @functools.wraps(loss_fn)
   def fn(params, batch, *args, rng=None):
-    rng = microbatch_rng.check(rng)
-    if axis_name is None:
-      loss, aux, grad_sum = _per_device(coupled, params, batch, args, rng)
-      grads = _as_params(grad_sum, params)
-    elif axes.is_bound(axis_name):
-      loss, aux, grads = _data_parallel(coupled, params, batch, args, rng)
-    else:
-      loss, aux, grads = _over_mesh(coupled, params, batch, args, rng)
-    return ((loss, aux), grads) if has_aux else (loss, grads)
+    inputs = loss_signature.Inputs(
+        None, batch, args, {}, microbatch_rng.check(rng))
+    result = runner.run(program, settings, params, inputs)
+    aux = result.aux.stacked
+    return ((result.loss, aux), result.grads) if coupled.has_aux else (
+        result.loss, result.grads)
 
   return fn
-
-
-def _over_mesh(c: _Coupled, params, batch, args, rng):
-  """Runs :func:`_data_parallel` in a shard_map over a current mesh axis.
-
-  ``params`` sharded over the axis (Explicit) arrive as shards, with their
-  specs; ``batch`` is split over the axis, ``args`` and ``rng`` replicated.
-  ``aux`` leaves come back with a new leading axis, one entry per device.
-  """
-  axis_name = c.axis_name
-  size = mesh_loop.mesh_axis_size(axis_name)
-  batching.check_divisible(
-      batching.batch_size(batch), c.num_microbatches, devices=size
-  )
-  param_specs = jax.tree.map(lambda p: sharding.spec_over(p, axis_name), params)
-  if axes.all_explicit(axis_name):
-    batch = jax.tree.map(
-        lambda x: sharding.laid_out_over(x, axis_name, 0), batch
-    )
-    args = jax.tree.map(
-        lambda x: sharding.laid_out_over(x, axis_name, None), args
-    )
-
-  def body(params, batch, args, rng):
-    loss, aux, grads = _data_parallel(c, params, batch, args, rng, param_specs)
-    aux = jax.tree.map(lambda a: jnp.expand_dims(a, 0), aux)
-    return loss, aux, grads
-
-  sharded = jax.shard_map(
-      body,
-      in_specs=(param_specs, P(axis_name), P(), P()),
-      out_specs=(P(), P(axis_name), param_specs),
-      axis_names=set(axes.axes_of(axis_name)),
-  )
-  return sharded(params, batch, tuple(args), rng)

@@ -12,6 +12,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from optax_accum._src import batching
+
 
 class LossOnReps(NamedTuple):
   """The loss on the whole batch's representations and its gradients."""
@@ -54,18 +56,27 @@ def _encode(encode_fn, params, microbatch, args, key):
   return encode_fn(params, microbatch, *args, rng=key)
 
 
-def encode_all(encode_fn, params, microbatches, keys, args):
-  """The first pass: every micro-batch's representations, no activations."""
-  rows = jax.tree.leaves(microbatches)[0].shape[1]
+def _indices(batch_split: batching.Split) -> jax.Array:
+  return jnp.arange(batch_split.leaves[0].shape[
+      next(a for a in batch_split.axes if a is not None)])
+
+
+def encode_all(encode_fn, params, batch_split: batching.Split, keys, args):
+  """The first pass: every micro-batch's representations, no activations.
+
+  They come back in the batch's row order.
+  """
 
   def step(_, xs):
-    microbatch, key = xs
+    index, key = xs
+    microbatch = batching.take(batch_split, index)
     reps = _encode(encode_fn, params, microbatch, args, key)
-    _check_reps(reps, rows)
+    _check_reps(reps, batch_split.rows)
     return None, reps
 
-  _, reps = lax.scan(step, None, (microbatches, keys))
-  return jax.tree.map(lambda r: r.reshape((-1,) + r.shape[2:]), reps)
+  _, reps = lax.scan(step, None, (_indices(batch_split), keys))
+  return jax.tree.map(
+      lambda r: batching.merge_rows(r, batch_split.strided), reps)
 
 
 def loss_on_reps(loss_fn, has_aux, params, reps, batch, args) -> LossOnReps:
@@ -95,11 +106,16 @@ def loss_on_reps(loss_fn, has_aux, params, reps, batch, args) -> LossOnReps:
   return LossOnReps(loss, aux, direct, cotangents)
 
 
-def pull_back(encode_fn, params, microbatches, keys, cotangents, init, args):
-  """The second pass: adds each micro-batch's J^T cotangent to ``init``."""
+def pull_back(encode_fn, params, batch_split: batching.Split, keys,
+              cotangents, init, args):
+  """The second pass: adds each micro-batch's J^T cotangent to ``init``.
+
+  ``cotangents`` are per micro-batch: ``(k, rows, ...)`` leaves.
+  """
 
   def step(grad_sum, xs):
-    microbatch, key, cotangent = xs
+    index, key, cotangent = xs
+    microbatch = batching.take(batch_split, index)
     _, vjp = jax.vjp(
         lambda p: floating_leaves(
             _encode(encode_fn, p, microbatch, args, key)
@@ -111,5 +127,6 @@ def pull_back(encode_fn, params, microbatches, keys, cotangents, init, args):
         lambda s, g: s + g.astype(s.dtype), grad_sum, grads
     ), None
 
-  grad_sum, _ = lax.scan(step, init, (microbatches, keys, cotangents))
+  grad_sum, _ = lax.scan(
+      step, init, (_indices(batch_split), keys, cotangents))
   return grad_sum

@@ -1,8 +1,9 @@
 """The scan over micro-batches: running sums of one device's micro-batches.
 
-:func:`optax_accum.value_and_grad` runs :func:`loop` on one device's batch
-(inside a shard_map with ``axis_name``), reduces its sums over devices if it
-must, and hands them to :func:`finish` for the means. The sums follow the
+:func:`program` gives the runner (:mod:`runner`) this module's stages: *local*
+runs :func:`loop` on one device's batch and hands its sums over as
+:class:`stages.Partials`; *finalize* turns the reduced sums into the means
+(:func:`finish`). The sums follow the
 token-weighting rule of ``token_weighting``; aux is stacked or reduced in the
 carry (``aux_reduction``); the noise-scale sums ride along with
 ``with_stats``.
@@ -22,6 +23,7 @@ from optax_accum._src import fsdp
 from optax_accum._src import loss_signature
 from optax_accum._src import microbatch_rng
 from optax_accum._src import noise_scale
+from optax_accum._src import stages
 from optax_accum._src import token_weighting
 from optax_accum._src import validation
 
@@ -53,16 +55,6 @@ class LoopOut(NamedTuple):
   plan: AuxPlan | None  # None when aux is only stacked.
 
 
-class Result(NamedTuple):
-  """What the loop hands back, before it is packed for the caller."""
-
-  loss: jax.Array
-  grads: Any
-  model_state: Any
-  aux: aux_reduction_lib.Parts
-  stats: noise_scale.GradStats | None  # None without with_stats.
-
-
 class Options(NamedTuple):
   """The validated settings of one :func:`value_and_grad`."""
 
@@ -71,7 +63,7 @@ class Options(NamedTuple):
   has_state: bool
   num_tokens_fn: Callable[[Any], Any] | None
   loss_reduction: str
-  axis_name: axes.AxisName | None
+  axis_name: axes.AxisName | None  # as given; the runner finds the form.
   accumulator_dtype: Any
   batch_axes: Any
   aux_reduction: Any
@@ -88,20 +80,26 @@ def _token_count(num_tokens_fn, microbatch):
   )
 
 
-def _rng_for(inputs, index, opts):
+def _axis_of(lay: fsdp.Layout | None) -> axes.AxisName | None:
+  """The data axes this device's loop runs over (None on one device)."""
+  return None if lay is None else lay.axis_name
+
+
+def _rng_for(inputs, index, lay):
   if inputs.rng is None:
     return None
-  return microbatch_rng.key_for(inputs.rng, index, opts.axis_name)
+  return microbatch_rng.key_for(inputs.rng, index, _axis_of(lay))
 
 
-def _aux_plan(loss, opts, params_for, inputs, batch_split) -> AuxPlan | None:
+def _aux_plan(loss, opts, params_for, inputs, batch_split,
+              lay) -> AuxPlan | None:
   """Micro-batch 0's aux shapes (traced, not run), when aux is reduced."""
   if not aux_reduction_lib.is_running(opts.aux_reduction):
     return None
   microbatch = batching.take(batch_split, 0)
   _, (_, aux) = jax.eval_shape(lambda: loss(
       params_for(jnp.zeros([], jnp.int32)), inputs.model_state, microbatch,
-      inputs, _rng_for(inputs, 0, opts)
+      inputs, _rng_for(inputs, 0, lay)
   ))
   shapes, treedef = jax.tree.flatten(aux)
   reductions = aux_reduction_lib.per_leaf(opts.aux_reduction, aux)
@@ -122,9 +120,9 @@ def _zero_sums(params, opts: Options, plan: AuxPlan | None,
           plan.shapes, plan.reductions, opts.accumulator_dtype),
       stats=noise_scale.zero_sums() if opts.with_stats else None,
   )
-  if opts.axis_name is not None:
+  if lay is not None:
     # The sums are this device's partial sums: they differ by device.
-    sums = axes.device_local(sums, opts.axis_name)
+    sums = axes.device_local(sums, lay.axis_name)
   return sums
 
 
@@ -141,9 +139,9 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
 
   batch_split = batching.split(
       inputs.batch, opts.batch_axes, opts.num_microbatches,
-      sharded_layout_for_auto=opts.axis_name is None,
+      sharded_layout_for_auto=lay is None,
   )
-  plan = _aux_plan(loss, opts, params_for, inputs, batch_split)
+  plan = _aux_plan(loss, opts, params_for, inputs, batch_split, lay)
   value_and_grad_fn = jax.value_and_grad(loss, has_aux=True)
 
   def step(carry, index):
@@ -151,7 +149,7 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
     microbatch = batching.take(batch_split, index)
     (value, (model_state, aux)), grads = value_and_grad_fn(
         params_for(index), model_state, microbatch, inputs,
-        _rng_for(inputs, index, opts)
+        _rng_for(inputs, index, lay)
     )
     tokens = _token_count(opts.num_tokens_fn, microbatch)
     c = token_weighting.contribution(tokens, opts.loss_reduction)
@@ -180,7 +178,8 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
 
 
 def finish(sums: Sums, out: LoopOut, params,
-           sq_norm: Callable[[Any], jax.Array] = noise_scale.sq_norm) -> Result:
+           sq_norm: Callable[[Any], jax.Array] = noise_scale.sq_norm,
+           ) -> stages.Result:
   """The loss, gradient, aux and stats from the (device-reduced) sums.
 
   ``sq_norm`` is the squared norm of a gradient tree: the sum over devices of
@@ -201,4 +200,41 @@ def finish(sums: Sums, out: LoopOut, params,
     aux = aux_reduction_lib.finish(
         sums.aux, out.stacked, out.plan.reductions, out.plan.shapes,
         sums.tokens, out.plan.treedef)
-  return Result(loss, grads, out.model_state, aux, stats)
+  return stages.Result(loss, grads, out.model_state, aux, stats)
+
+
+def _partials(sums: Sums, out: LoopOut) -> stages.Partials:
+  """The loop's sums, by how each is reduced over devices."""
+  running = sums.aux
+  maxima, minima = [], []
+  if running is not None:
+    maxima, minima = aux_reduction_lib.split_extrema(
+        running, out.plan.reductions)
+  return stages.Partials(
+      grads=sums.grads,
+      sums=(sums.loss, sums.tokens,
+            None if running is None else running.sums, sums.stats),
+      maxima=maxima, minima=minima, means=out.model_state, rest=out)
+
+
+def _finalize(partials: stages.Partials, params,
+              sq_norm: Callable[[Any], jax.Array]) -> stages.Result:
+  """:func:`finish` on the (reduced) :class:`stages.Partials`."""
+  loss, tokens, aux_sums, stats = partials.sums
+  out = partials.rest._replace(model_state=partials.means)
+  running = None
+  if out.plan is not None:
+    running = aux_reduction_lib.join_extrema(
+        aux_sums, out.plan.reductions, partials.maxima, partials.minima)
+  sums = Sums(partials.grads, loss, tokens, running, stats)
+  return finish(sums, out, params, sq_norm)
+
+
+def program(loss, opts: Options) -> stages.Program:
+  """The runner's :class:`stages.Program` of one ``value_and_grad``."""
+
+  def local(params, inputs, lay):
+    return _partials(*loop(loss, opts, params, inputs, lay))
+
+  return stages.Program(local=local, finalize=_finalize, aux_axis=1,
+                        new_aux_axis=False, coupled=False)

@@ -10,6 +10,7 @@ policy (:mod:`fsdp`) that communicates least.
 """
 
 from collections.abc import Callable, Iterable
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -17,6 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import axes
 from optax_accum._src import batching
+from optax_accum._src import coupled
+from optax_accum._src import forms
 from optax_accum._src import fsdp
 from optax_accum._src import hlo
 from optax_accum._src import sharding
@@ -120,9 +123,11 @@ def _signature(tree: Any) -> Any:
   )
 
 
-def _measure(fn: Callable[..., Any], operands: tuple[Any, ...]) -> _Measured:
-  """Compiles ``jax.jit(fn)`` for ``operands`` and measures it."""
-  compiled = jax.jit(fn).lower(*operands).compile()
+def _measure(fn: Callable[..., Any], step: "_Step") -> _Measured:
+  """Compiles the step around ``fn`` ahead of time and measures it."""
+  if step.wrap is not None:
+    fn = step.wrap(fn)
+  compiled = jax.jit(fn).lower(*step.operands, **step.call_kwargs).compile()
   memory = compiled.memory_analysis()
   if memory is None:
     raise RuntimeError(
@@ -144,12 +149,29 @@ def _per_update(counts: hlo.CollectiveCounts, k: int) -> int:
   return sum(counts.total.values()) - in_loop + k * in_loop
 
 
-def _has_fsdp_params(params: Any, vg_kwargs: dict[str, Any]) -> bool:
+class _Step(NamedTuple):
+  """The step a plan compiles, but for its planned settings."""
+
+  loss_fn: Callable[..., Any]
+  encode_fn: Callable[..., Any] | None  # gradient caching: coupled.
+  wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None
+  vg_kwargs: dict[str, Any]
+  operands: tuple[Any, ...]  # (params, batch, *args), or with model state.
+  call_kwargs: dict[str, Any]  # rng= and loss_fn's keyword arguments.
+
+
+def _batch_of(step: _Step) -> Any:
+  """The batch among the operands (after the model state with has_state)."""
+  return step.operands[2 if step.vg_kwargs.get("has_state") else 1]
+
+
+def _has_fsdp_params(step: _Step) -> bool:
   """Whether some parameter is sharded over ``axis_name``: policies apply."""
-  axis_name = vg_kwargs.get("axis_name")
-  if axis_name is None:
+  axis_name = step.vg_kwargs.get("axis_name")
+  if axis_name is None or step.encode_fn is not None:
     return False
-  specs = vg_kwargs.get("param_specs")
+  params = step.operands[0]
+  specs = step.vg_kwargs.get("param_specs")
   if specs is None:
     specs = jax.tree.map(
         lambda p: sharding.explicit_spec(p) or P(), params
@@ -159,20 +181,24 @@ def _has_fsdp_params(params: Any, vg_kwargs: dict[str, Any]) -> bool:
       specs, is_leaf=lambda x: isinstance(x, P)))
 
 
-def _rows_per_device(batch: Any, vg_kwargs: dict[str, Any]) -> int:
-  """The size of each device's share of the split axis of ``batch``."""
-  axis_name = vg_kwargs.get("axis_name")
+def _rows_per_device(step: _Step) -> int:
+  """The size of each device's share of the split axis of the batch."""
+  axis_name = step.vg_kwargs.get("axis_name")
+  batch = _batch_of(step)
   rows = batching.split_size(batch, batching.leaf_axes(
-      batch, batching.check_batch_axes(vg_kwargs.get("batch_axes", 0))))
+      batch, batching.check_batch_axes(step.vg_kwargs.get("batch_axes", 0))))
   if axis_name is None:
     return rows
-  devices = axes.mesh_axis_size(axis_name)
-  if devices is None:
+  mesh, _ = forms.current_mesh(step.operands)
+  sizes = {} if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes))
+  if any(a not in sizes for a in axes.axes_of(axis_name)):
     raise ValueError(
         f"axis_name={axis_name!r} is not an axis of the current mesh:"
-        " plan_microbatches compiles the jax.jit form of the step, so call"
-        " it under jax.set_mesh(mesh)."
+        " plan_microbatches compiles the step under jax.jit, so call it"
+        " under jax.set_mesh(mesh), or pass inputs (arrays or"
+        " jax.ShapeDtypeStructs) sharded over that mesh's Explicit axes."
     )
+  devices = math.prod(sizes[a] for a in axes.axes_of(axis_name))
   batching.check_divisible(rows, 1, devices=devices)
   return rows // devices
 
@@ -204,11 +230,13 @@ def _no_fit(table: Table, budget: int) -> ValueError:
   )
 
 
-def _key(loss_fn, k, chosen, vg_kwargs, operands) -> Any:
+def _key(step: _Step, k: int, chosen: fsdp.Policy) -> Any:
   """The cache key of one candidate, or None if something is unhashable."""
   try:
-    key = (loss_fn, k, chosen, _hashable(sorted(vg_kwargs.items())),
-           _signature(operands), jax.sharding.get_abstract_mesh())
+    key = (step.loss_fn, step.encode_fn, step.wrap, k, chosen,
+           _hashable(sorted(step.vg_kwargs.items())),
+           _signature((step.operands, step.call_kwargs)),
+           jax.sharding.get_abstract_mesh())
     hash(key)
   except TypeError:
     return None
@@ -222,6 +250,10 @@ def plan_microbatches(
     *args: Any,
     memory_budget: int,
     candidates: Iterable[int] | None = None,
+    rng: Any = None,
+    loss_kwargs: dict[str, Any] | None = None,
+    encode_fn: Callable[..., Any] | None = None,
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
     **vg_kwargs: Any,
 ) -> Plan:
   """The fewest micro-batches whose compiled step fits a memory budget.
@@ -249,14 +281,30 @@ def plan_microbatches(
     loss_fn: as for :func:`optax_accum.value_and_grad`.
     params: the parameters, as arrays or :class:`jax.ShapeDtypeStruct`
       (with their shardings: FSDP parameters are sharded over the data axis).
-    batch: the global batch, arrays or ShapeDtypeStructs.
+      Abstract inputs plan a model too large for this machine without
+      allocating it.
+    batch: the global batch, arrays or ShapeDtypeStructs. With
+      ``has_state=True`` pass the operands as the step takes them:
+      ``plan_microbatches(loss_fn, params, model_state, batch, *args, ...)``.
     *args: further arguments of ``loss_fn``.
     memory_budget: bytes per device that the step may use.
     candidates: the numbers of micro-batches to consider; by default every
       divisor of the per-device batch size.
+    rng: the PRNG key (or its ShapeDtypeStruct) the step is called with, if
+      ``loss_fn`` takes ``rng=`` (dropout).
+    loss_kwargs: keyword arguments the step passes on to ``loss_fn``.
+    encode_fn: plans :func:`optax_accum.coupled_value_and_grad` (``encode_fn``,
+      ``loss_fn``) instead: a coupled loss, whose parameters are held whole
+      (only ``"once"`` policies).
+    wrap: ``wrap(fn)`` is the function to compile around the candidate
+      ``fn``, e.g. ``lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=...,
+      out_specs=...)`` for a step that runs inside shard_map (``axis_name``
+      then names its manual axis). By default ``fn`` itself, under
+      :func:`jax.jit`.
     **vg_kwargs: the other arguments of :func:`optax_accum.value_and_grad`
-      (``num_tokens_fn``, ``axis_name``, ``param_specs``, ...). With
-      ``axis_name``, call this under ``jax.set_mesh(mesh)``.
+      (``num_tokens_fn``, ``axis_name``, ``param_specs``, ``has_state``,
+      ...). With ``axis_name``, call this under ``jax.set_mesh(mesh)`` or
+      pass inputs sharded over a mesh with Explicit axes.
 
   Returns:
     A :class:`Plan`: ``num_microbatches``, ``gradient_sync``,
@@ -290,14 +338,14 @@ def plan_microbatches(
           f"plan_microbatches chooses {name}: do not pass it (got"
           f" {name}={vg_kwargs[name]!r})."
       )
-  rows = _rows_per_device(batch, vg_kwargs)
-  groups = _GROUPS if _has_fsdp_params(params, vg_kwargs) else _GROUPS[:1]
-  operands = (params, batch, *args)
+  step = _step(loss_fn, (params, batch, *args), rng, loss_kwargs, encode_fn,
+               wrap, vg_kwargs)
+  rows = _rows_per_device(step)
+  groups = _GROUPS if _has_fsdp_params(step) else _GROUPS[:1]
   table = []
   for k in _check_candidates(candidates, rows):
     for group in groups if k > 1 else _GROUPS[:1]:
-      rows_k = [_candidate(loss_fn, k, chosen, vg_kwargs, operands, budget)
-                for chosen in group]
+      rows_k = [_candidate(step, k, chosen, budget) for chosen in group]
       table.extend(rows_k)
       fitting = [c for c in rows_k if c.fits]
       if fitting:
@@ -305,24 +353,58 @@ def plan_microbatches(
                                            c.memory_bytes))
         return Plan(
             best.num_microbatches, best.gradient_sync, best.gather_params,
-            _build(loss_fn, k, fsdp.Policy(*best[1:3]), vg_kwargs),
+            _build(step, k, fsdp.Policy(*best[1:3])),
             best.memory_bytes, best.collectives_per_update, Table(table))
   raise _no_fit(Table(table), budget)
 
 
-def _build(loss_fn, k: int, chosen: fsdp.Policy, vg_kwargs) -> Callable:
-  """:func:`optax_accum.value_and_grad` with a candidate's settings."""
+def _step(loss_fn, operands, rng, loss_kwargs, encode_fn, wrap,
+          vg_kwargs) -> _Step:
+  """The checked :class:`_Step` of one :func:`plan_microbatches` call."""
+  for name, f in (("encode_fn", encode_fn), ("wrap", wrap)):
+    if f is not None and not callable(f):
+      raise TypeError(f"{name} must be callable or None, got {f!r}.")
+  if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
+    raise TypeError(
+        "loss_kwargs must be a dict of loss_fn's keyword arguments, got"
+        f" {loss_kwargs!r}."
+    )
+  if vg_kwargs.get("has_state") and len(operands) < 3:
+    raise TypeError(
+        "With has_state=True, call plan_microbatches(loss_fn, params,"
+        " model_state, batch, *args, ...), as you call the step."
+    )
+  call_kwargs = dict(loss_kwargs or {})
+  if "rng" in call_kwargs:
+    raise TypeError("Pass the key as plan_microbatches(..., rng=key), not in"
+                    " loss_kwargs.")
+  if rng is not None:
+    call_kwargs["rng"] = rng
+  if encode_fn is not None and call_kwargs.keys() - {"rng"}:
+    raise TypeError(
+        "coupled_value_and_grad (encode_fn=) takes no keyword arguments"
+        f" for its functions but rng=, got loss_kwargs={loss_kwargs!r}."
+    )
+  return _Step(loss_fn, encode_fn, wrap, vg_kwargs, operands, call_kwargs)
+
+
+def _build(step: _Step, k: int, chosen: fsdp.Policy) -> Callable:
+  """The value-and-grad function of a candidate's settings."""
+  if step.encode_fn is not None:
+    return coupled.coupled_value_and_grad(
+        step.encode_fn, step.loss_fn, num_microbatches=k, **step.vg_kwargs)
   return value_and_grad_lib.value_and_grad(
-      loss_fn, num_microbatches=k, gradient_sync=chosen.gradient_sync,
-      gather_params=chosen.gather_params, **vg_kwargs)
+      step.loss_fn, num_microbatches=k, gradient_sync=chosen.gradient_sync,
+      gather_params=chosen.gather_params, **step.vg_kwargs)
 
 
-def _candidate(loss_fn, k, chosen, vg_kwargs, operands, budget) -> Candidate:
+def _candidate(step: _Step, k: int, chosen: fsdp.Policy,
+               budget: int) -> Candidate:
   """Compiles (or looks up) and measures one candidate step."""
-  key = _key(loss_fn, k, chosen, vg_kwargs, operands)
+  key = _key(step, k, chosen)
   measured = _cache.get(key) if key is not None else None
   if measured is None:
-    measured = _measure(_build(loss_fn, k, chosen, vg_kwargs), operands)
+    measured = _measure(_build(step, k, chosen), step)
     if key is not None:
       if len(_cache) >= _CACHE_SIZE:
         del _cache[next(iter(_cache))]

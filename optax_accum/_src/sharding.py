@@ -72,13 +72,43 @@ def gather(x: Any, spec: P) -> Any:
   return x
 
 
+def _other_axes(x: Any) -> tuple[P, set[str]] | None:
+  """``x``'s spec and the non-manual Explicit axes it is sharded over."""
+  spec = explicit_spec(x)
+  if spec is None:
+    return None
+  manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+  names = {n for e in spec if e is not None for n in axes.axes_of(e)}
+  names -= manual
+  return (spec, names) if names else None
+
+
+def blockwise(fn: Any, x: Any) -> Any:
+  """``fn(x)`` on the local blocks of ``x``'s sharding over other axes.
+
+  ``fn`` is a collective over manual (data) axes that keeps the shape of the
+  dimensions sharded over the other, Explicit mesh axes (tensor
+  parallelism). JAX cannot type some collectives of an operand that is
+  sharded over such axes (``psum_scatter`` in jax 0.10); making those axes
+  manual for the collective alone sidesteps that, and moves no data along
+  them.
+  """
+  found = _other_axes(x)
+  if found is None:
+    return fn(x)
+  spec, names = found
+  return jax.shard_map(fn, in_specs=spec, out_specs=spec,
+                       axis_names=names)(x)
+
+
 def scatter(leaf: Any, spec: P) -> tuple[Any, set[str]]:
   """Reduce-scatters ``leaf`` into its shard; returns it and the axes used."""
   used = set()
   for dim, dim_axes in sharded_dims(spec):
-    leaf = lax.psum_scatter(
-        leaf, _entry(dim_axes), scatter_dimension=dim, tiled=True
-    )
+    leaf = blockwise(
+        lambda x, dim=dim, dim_axes=dim_axes: lax.psum_scatter(
+            x, _entry(dim_axes), scatter_dimension=dim, tiled=True),
+        leaf)
     used.update(dim_axes)
   return leaf, used
 
@@ -112,15 +142,33 @@ def sum_into_shards(
   return treedef.unflatten(out), extra
 
 
+def _typed_over(x: Any, axis_name: axes.AxisName) -> P | None:
+  """``x``'s spec if its type is on a mesh whose ``axis_name`` is Explicit.
+
+  A replicated array counts too (its spec has no names): its type says that
+  it is replicated over the axis, and a shard_map must be told.
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  spec = getattr(sharding, "spec", P())
+  if mesh is None or getattr(mesh, "empty", True):
+    mesh, spec = jax.sharding.get_abstract_mesh(), P()  # a host array.
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if all(types.get(a) == AxisType.Explicit for a in axes.axes_of(axis_name)):
+    return spec
+  return None
+
+
 def laid_out_over(x: Any, axis_name: axes.AxisName, split: int | None) -> Any:
   """Reshards an explicitly sharded ``x`` for a shard_map over ``axis_name``.
 
-  Dimension ``split`` is split over ``axis_name`` (a batch axis); with None,
+  Dimension ``split`` is split over ``axis_name`` (a batch axis; a
+  replicated array is sliced locally, without communication); with None,
   ``x`` is replicated over it. Its other dimensions keep their sharding over
-  other mesh axes. Arrays whose type carries no Explicit sharding are
-  returned as they are.
+  other mesh axes. Arrays whose type carries no Explicit sharding over the
+  axis are returned as they are.
   """
-  spec = explicit_spec(x)
+  spec = _typed_over(x, axis_name)
   if spec is None:
     return x
   dropped = set(axes.axes_of(axis_name))

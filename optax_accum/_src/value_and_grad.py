@@ -5,62 +5,15 @@ import functools
 from typing import Any
 
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import aux_reduction as aux_reduction_lib
-from optax_accum._src import axes
 from optax_accum._src import batching
 from optax_accum._src import fsdp
 from optax_accum._src import loss_signature
-from optax_accum._src import mesh_loop
 from optax_accum._src import microbatch_loop as loop_lib
 from optax_accum._src import microbatch_rng
-from optax_accum._src import noise_scale
-from optax_accum._src import partial_sums
-from optax_accum._src import sharding
+from optax_accum._src import runner
 from optax_accum._src import validation
-
-
-def _single_device(loss, opts, params, inputs) -> loop_lib.Result:
-  return loop_lib.finish(*loop_lib.loop(loss, opts, params, inputs), params)
-
-
-def _data_parallel(loss, opts, params, inputs, param_specs=None):
-  """Inside shard_map or pmap: local sums, then one reduction over the axis.
-
-  Parameters that ``param_specs`` shard over the axis (FSDP) are gathered,
-  and their gradients reduce-scattered back into shards, where
-  ``opts.fsdp_policy`` says: by default once before the loop and once after
-  it (see :mod:`fsdp`). Summed aux and the noise-scale sums ride along in
-  the gradient's reduction.
-  """
-  axis_name = opts.axis_name
-  lay = fsdp.layout(
-      fsdp.specs_like(params, P() if param_specs is None else param_specs,
-                      axis_name),
-      axis_name, opts.fsdp_policy,
-  )
-  if inputs.model_state is not None:
-    inputs = inputs._replace(model_state=axes.floats_device_local(
-        inputs.model_state, axis_name))
-  # The loop differentiates with respect to device-local whole parameters,
-  # so that autodiff does not sum gradients over the axis on every micro-step.
-  sums, out = loop_lib.loop(loss, opts, fsdp.hold(lay, params), inputs, lay)
-  running = sums.aux
-  grads, (loss_sum, tokens, aux_sums, stats) = fsdp.finish(
-      lay, sums.grads,
-      (sums.loss, sums.tokens, None if running is None else running.sums,
-       sums.stats),
-  )
-  if running is not None:
-    running = aux_reduction_lib.extrema_over(
-        running._replace(sums=aux_sums), out.plan.reductions, axis_name)
-  if out.model_state is not None:
-    out = out._replace(model_state=partial_sums.mean_of_floats(
-        out.model_state, axis_name))
-  sums = loop_lib.Sums(grads, loss_sum, tokens, running, stats)
-  return loop_lib.finish(sums, out, params, sq_norm=lambda tree: (
-      sharding.sq_norm_of_shards(tree, lay.specs, noise_scale.sq_norm)))
 
 
 def value_and_grad(
@@ -259,6 +212,10 @@ def value_and_grad(
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
   loss = loss_signature.normalize(loss_fn, opts.has_aux, opts.has_state)
+  program = loop_lib.program(loss, opts)
+  settings = runner.Settings(
+      opts.axis_name, opts.num_microbatches, opts.batch_axes,
+      opts.param_specs, opts.fsdp_policy)
 
   @functools.wraps(loss_fn)
   def fn(params, *rest, rng=None, **kwargs):
@@ -266,17 +223,7 @@ def value_and_grad(
         rest, opts.has_state)
     inputs = loss_signature.Inputs(
         model_state, batch, args, kwargs, microbatch_rng.check(rng))
-    if opts.axis_name is None:
-      result = _single_device(loss, opts, params, inputs)
-    elif axes.is_bound(opts.axis_name):
-      result = _data_parallel(loss, opts, params, inputs, opts.param_specs)
-    else:
-      result = loop_lib.Result(*mesh_loop.over_mesh(
-          lambda p, b, rest, specs: _data_parallel(
-              loss, opts, p, rest._replace(batch=b), specs),
-          opts.axis_name, opts.num_microbatches, opts.batch_axes,
-          params, batch, inputs._replace(batch=None), opts.param_specs,
-      ))
+    result = runner.run(program, settings, params, inputs)
     result = result._replace(aux=aux_reduction_lib.merge(result.aux))
     value, grads = loss_signature.pack(result, opts.has_aux, opts.has_state)
     if opts.with_stats:

@@ -1,0 +1,171 @@
+"""The runner: one driver of every entry point, in every parallel form.
+
+:func:`run` takes an entry point's :class:`stages.Program` and runs it in the
+form that :func:`forms.detect` finds:
+
+* ``SINGLE``: *local* then *finalize* on the whole batch;
+* ``MANUAL`` (inside shard_map or pmap): gather, *local*, reduce, *finalize*
+  on this device's shard, by :func:`on_device`;
+* ``MESH`` (under jit, with data axes of a mesh): the same inside a
+  :func:`jax.shard_map` over the data axes, by :func:`over_mesh`; other mesh
+  axes stay with the model (tensor parallelism, Explicit or Auto).
+
+The gather and the gradient's reduction follow the parameters' layout over
+the data axes (:mod:`fsdp`): replicated parameters are summed with one
+all-reduce after the loop; parameters sharded over some data axes (FSDP,
+HSDP) are reduce-scattered over those axes and summed over the others.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._src import aux_reduction
+from optax_accum._src import axes
+from optax_accum._src import batching
+from optax_accum._src import forms
+from optax_accum._src import fsdp
+from optax_accum._src import loss_signature
+from optax_accum._src import noise_scale
+from optax_accum._src import partial_sums
+from optax_accum._src import sharding
+from optax_accum._src import stages
+
+
+class Settings(NamedTuple):
+  """What the runner needs to know of an entry point's arguments."""
+
+  axis_name: axes.AxisName | None
+  num_microbatches: int
+  batch_axes: Any  # an int, None, or a pytree prefix of the batch.
+  param_specs: Any  # None, a PartitionSpec or a tree prefix of params.
+  policy: fsdp.Policy
+
+
+def run(program: stages.Program, settings: Settings, params: Any,
+        inputs: loss_signature.Inputs) -> stages.Result:
+  """Runs ``program`` on ``params`` and ``inputs`` in the form of the call."""
+  form = forms.detect(settings.axis_name, params, inputs.batch)
+  with forms.entered(form):
+    if form.kind == forms.SINGLE:
+      partials = program.local(params, inputs, None)
+      return program.finalize(partials, params, noise_scale.sq_norm)
+    settings = settings._replace(axis_name=form.axis_name)
+    if form.kind == forms.MANUAL:
+      return on_device(program, settings, params, inputs)
+    return over_mesh(program, settings, params, inputs)
+
+
+def _layout(program, settings, params) -> fsdp.Layout:
+  specs = settings.param_specs
+  specs = fsdp.specs_like(params, P() if specs is None else specs,
+                          settings.axis_name)
+  policy = fsdp.Policy() if program.coupled else settings.policy
+  return fsdp.layout(specs, settings.axis_name, policy)
+
+
+def reduce(partials: stages.Partials, lay: fsdp.Layout) -> stages.Partials:
+  """Sums the partials over the data axes: the one reduction of a call."""
+  axis_name = lay.axis_name
+  grads, sums = fsdp.finish(lay, partials.grads, partials.sums)
+  maxima = lax.pmax(partials.maxima, axis_name) if partials.maxima else []
+  minima = lax.pmin(partials.minima, axis_name) if partials.minima else []
+  means = partials.means
+  if means is not None:
+    means = partial_sums.mean_of_floats(means, axis_name)
+  return partials._replace(grads=grads, sums=sums, maxima=maxima,
+                           minima=minima, means=means)
+
+
+def on_device(program: stages.Program, settings: Settings, params: Any,
+              inputs: loss_signature.Inputs) -> stages.Result:
+  """Gather, local, reduce and finalize, on one device of the data axes.
+
+  ``params`` are this device's (shards laid out by ``settings.param_specs``,
+  replicated without them) and ``inputs.batch`` its shard of the batch.
+  """
+  lay = _layout(program, settings, params)
+  if inputs.model_state is not None:
+    inputs = inputs._replace(model_state=axes.floats_device_local(
+        inputs.model_state, lay.axis_name))
+  # The loop differentiates with respect to device-local whole parameters,
+  # so that autodiff does not sum gradients over the axis on every micro-step.
+  partials = reduce(program.local(fsdp.hold(lay, params), inputs, lay), lay)
+  return program.finalize(partials, params, lambda tree: (
+      sharding.sq_norm_of_shards(tree, lay.specs, noise_scale.sq_norm)))
+
+
+def _batch_spec(axis: int | None, axis_name: axes.AxisName) -> P:
+  return P() if axis is None else P(*([None] * axis), axis_name)
+
+
+def _param_specs(params: Any, settings: Settings) -> Any:
+  """The parameters' specs over the data axes: given, or read off types."""
+  if settings.param_specs is not None:
+    return fsdp.specs_like(params, settings.param_specs, settings.axis_name)
+  return jax.tree.map(
+      lambda p: sharding.spec_over(p, settings.axis_name), params)
+
+
+def _stack_over_devices(program: stages.Program, stacked: Any) -> Any:
+  """Gives each stacked aux leaf the axis that concatenates devices."""
+  where = program.aux_axis
+
+  def expand(a):
+    if program.new_aux_axis or jnp.ndim(a) <= where:
+      return jnp.expand_dims(a, where)
+    return a
+
+  return jax.tree.map(expand, stacked)
+
+
+def over_mesh(program: stages.Program, settings: Settings, params: Any,
+              inputs: loss_signature.Inputs) -> stages.Result:
+  """:func:`on_device` in a shard_map over the data axes of the mesh.
+
+  Every device splits its own shard of the batch into micro-batches;
+  parameters sharded over the data axes arrive as shards, the rest of
+  ``inputs`` replicated. A stacked aux leaf comes back concatenated over
+  devices along ``program.aux_axis``.
+  """
+  axis_name = settings.axis_name
+  batch = inputs.batch
+  leaf_axes = batching.leaf_axes(batch, settings.batch_axes)
+  batching.check_divisible(
+      batching.split_size(batch, leaf_axes), settings.num_microbatches,
+      devices=forms.axis_size(axis_name),
+  )
+  leaves, treedef = jax.tree.flatten(batch)
+  batch_specs = treedef.unflatten(
+      [_batch_spec(a, axis_name) for a in leaf_axes])
+  batch = treedef.unflatten([
+      sharding.laid_out_over(x, axis_name, a)
+      for x, a in zip(leaves, leaf_axes)
+  ])
+  replicated = jax.tree.map(
+      lambda x: sharding.laid_out_over(x, axis_name, None),
+      inputs._replace(batch=None))
+  param_specs = _param_specs(params, settings)
+  settings = settings._replace(param_specs=param_specs)
+
+  def body(params, batch, replicated):
+    result = on_device(program, settings, params,
+                       replicated._replace(batch=batch))
+    aux = result.aux._replace(
+        stacked=_stack_over_devices(program, result.aux.stacked))
+    return result._replace(aux=aux)
+
+  stacked_spec = P(*([None] * program.aux_axis), axis_name)
+  out_specs = stages.Result(
+      loss=P(), grads=param_specs, model_state=P(),
+      aux=aux_reduction.Parts(stacked_spec, P()), stats=P())
+  sharded = jax.shard_map(
+      body,
+      in_specs=(param_specs, batch_specs, P()),
+      out_specs=out_specs,
+      axis_names=set(axes.axes_of(axis_name)),
+  )
+  return sharded(params, batch, replicated)
