@@ -51,6 +51,8 @@ napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
+# Signatures show defaults as written (jnp.float32, not <class ...>).
+autodoc_preserve_defaults = True
 # The summary tables of docs/api.md link to the pages below; they make none.
 autosummary_generate = False
 
@@ -63,8 +65,9 @@ html_theme_options = {
     "use_fullscreen_button": False,
 }
 # MathJax loads from its CDN, so maths renders when the reader is online. To
-# read offline, point at a local copy (npm's mathjax package):
-#   sphinx-build ... -D mathjax_path=file:///.../mathjax/tex-mml-chtml.js
+# read offline, point at a local copy (``npm install mathjax@4``; its SVG
+# output needs no web fonts, which browsers refuse to load from file://):
+#   sphinx-build ... -D mathjax_path=file:///.../mathjax/tex-mml-svg.js
 pygments_style = "default"
 
 
@@ -150,10 +153,11 @@ def _add_more_table(app, docname, source) -> None:
 # the repository root) stands for that file, its relative links rewritten to
 # point from the page. A link to a file that a page includes goes to that page;
 # to another file of the repository, to a copy of it (a download); to a folder,
-# becomes plain text.
+# becomes plain text. ``<!-- include: PATH demote -->`` also moves its headings
+# one level down, under the page's own title.
 
 ROOT = DOCS.parent
-_INCLUDE = re.compile(r"^<!-- include: (\S+) -->$", re.M)
+INCLUDE_LINE = re.compile(r"^<!-- include: (\S+)( demote)? -->$", re.M)
 _LINK = re.compile(r"(!?)\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^()\s]+)\)")
 
 
@@ -163,7 +167,7 @@ def included_files() -> dict[pathlib.Path, pathlib.Path]:
   for page in sorted(DOCS.glob("**/*.md")):
     if "_build" in page.parts:
       continue
-    for path in _INCLUDE.findall(page.read_text()):
+    for path, _ in INCLUDE_LINE.findall(page.read_text()):
       pages[(ROOT / path).resolve()] = page
   return pages
 
@@ -199,6 +203,14 @@ def rewrite_links(text: str, source: pathlib.Path, page: pathlib.Path,
   return "".join(chunks)
 
 
+def demote_headings(text: str) -> str:
+  """``text`` with each heading one level lower (``#`` -> ``##``)."""
+  chunks = re.split(r"(^```.*?^```[^\n]*$)", text, flags=re.M | re.S)
+  for i in range(0, len(chunks), 2):
+    chunks[i] = re.sub(r"^#", "##", chunks[i], flags=re.M)
+  return "".join(chunks)
+
+
 def _rewrite_page(app, docname, source) -> None:
   page = DOCS / f"{docname}.md"
   if not page.exists():
@@ -208,10 +220,11 @@ def _rewrite_page(app, docname, source) -> None:
   def include(match):
     app.env.note_dependency(str(ROOT / match.group(1)))
     included = (ROOT / match.group(1)).resolve()
-    return rewrite_links(included.read_text(), included, page, pages)
+    text = rewrite_links(included.read_text(), included, page, pages)
+    return demote_headings(text) if match.group(2) else text
 
   text = rewrite_links(source[0], page, page, pages)
-  source[0] = _INCLUDE.sub(include, text)
+  source[0] = INCLUDE_LINE.sub(include, text)
 
 
 def setup(app):

@@ -80,7 +80,7 @@ def test_every_api_page_has_a_docstring_that_documents_it(name):
 
 def test_included_files_exist():
   for page in DOCS.glob("**/*.md"):
-    for path in conf._INCLUDE.findall(page.read_text()):
+    for path, _ in conf.INCLUDE_LINE.findall(page.read_text()):
       assert (helpers.ROOT / path).is_file(), (page, path)
 
 
