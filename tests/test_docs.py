@@ -84,8 +84,15 @@ def test_included_files_exist():
       assert (helpers.ROOT / path).is_file(), (page, path)
 
 
+# Lines that a page's blocks print, in order, as their comments say.
+PRINTED = {
+    "docs/migrating.md": ["True 1 0"],
+    "docs/flax.md": ["1 0 True", "4"],
+}
+
+
 @pytest.mark.parametrize("path", _site_markdown())
-def test_site_python_blocks_run(path):
+def test_site_python_blocks_run(path, capsys):
   """Every ```python block of the site runs, in order, in one namespace.
 
   Blocks that cannot run alone (an excerpt of an example) are fenced ```py.
@@ -95,5 +102,12 @@ def test_site_python_blocks_run(path):
     assert f'run_markdown_snippets("{path}"' in test_file, path
     return
   text = (helpers.ROOT / path).read_text()
-  if "```python\n" in text:
-    helpers.run_markdown_snippets(path)
+  if "```python\n" not in text:
+    return
+  namespace = helpers.run_markdown_snippets(path)
+  printed = capsys.readouterr().out.splitlines()
+  expected = PRINTED.get(path, [])
+  assert any(printed[i : i + len(expected)] == expected
+             for i in range(len(printed) + 1)), printed
+  if path == "docs/flax.md":
+    assert int(namespace["state"].step) == 3  # the linen TrainState recipe
