@@ -49,7 +49,12 @@ myst_heading_anchors = 3
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+# A NamedTuple's Attributes: one list of its fields, described, without
+# autodoc's entry per field (whose annotations expand optax's type aliases).
+napoleon_use_ivar = True
+napoleon_attr_annotations = False
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"
 autodoc_member_order = "bysource"
 # Signatures show defaults as written (jnp.float32, not <class ...>).
 autodoc_preserve_defaults = True
