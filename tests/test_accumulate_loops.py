@@ -418,9 +418,9 @@ def _pmap_step(tx):
   return step
 
 
-def test_readme_section_prints_what_its_comments_say(capsys):
+def test_docs_section_prints_what_its_comments_say(capsys):
   """The "End of an epoch and token budgets" blocks, alone, in order."""
-  text = (helpers.ROOT / "README.md").read_text()
+  text = (helpers.ROOT / "docs" / "semantics.md").read_text()
   section = text.split("## End of an epoch and token budgets\n")[1]
   blocks = re.findall(r"```python\n(.*?)```", section.split("\n## ")[0], re.S)
   assert len(blocks) == 2

@@ -208,14 +208,13 @@ def test_scan_train_step_is_the_full_batch_gradient_and_the_loss_falls():
     assert abs(mean_of_means - full) > 1e-2 * full, metric
 
 
-def test_readme_snippets_run_and_print_what_they_say(capsys):
-  """The ```python blocks of README.md, in order, in one namespace."""
-  namespace = helpers.run_markdown_snippets("README.md", min_blocks=5)
-  printed = capsys.readouterr().out.splitlines()
-  expected = ["True 1 0", "1 0 True", "4"]  # migration, then NNX
-  assert any(printed[i : i + len(expected)] == expected
-             for i in range(len(printed))), printed
-  assert int(namespace["state"].step) == 3  # the linen TrainState recipe
+def test_readme_snippets_run():
+  """The ```python blocks of README.md (the tour), in order, in one namespace.
+
+  The guides' blocks run in tests/test_docs.py.
+  """
+  namespace = helpers.run_markdown_snippets("README.md", min_blocks=2)
+  assert callable(namespace["train_step"]), sorted(namespace)
 
 
 def test_readme_commands_name_scripts_that_exist():

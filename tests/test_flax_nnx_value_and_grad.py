@@ -1,4 +1,4 @@
-"""The README's Flax NNX recipe for oa.value_and_grad, checked by hand.
+"""The Flax NNX recipe for oa.value_and_grad (docs/flax.md), checked by hand.
 
 A model with BatchNorm and Dropout is split into parameters and the rest of
 its state (BatchNorm statistics, the Dropout's ``nnx.Rngs`` stream), the rest

@@ -44,6 +44,10 @@ class AccumulateState(NamedTuple):
       counted.
     skipped_count: micro-steps dropped by ``should_skip`` since ``init``; per
       device. A micro-step that both rules drop is counted by both.
+    stats_sums: with ``with_stats``, the current cycle's running sums behind
+      the noise scale's estimate (float32 scalars; per device); else None.
+    stats: with ``with_stats``, the :class:`GradStats` of the last cycle that
+      emitted (read them with :func:`optax_accum.grad_stats`); else None.
   """
 
   micro_step: jax.Array  # shape=(), dtype=jnp.int32.

@@ -44,6 +44,12 @@ class CollectiveCounts(NamedTuple):
   times it appears in the program text; names that do not appear are left out.
   A collective inside a loop body runs once per iteration; one inside a
   branch of a conditional runs only when that branch is taken.
+
+  Attributes:
+    total: everywhere in the program.
+    in_loop: inside a while loop (a scan, a fori_loop): once per iteration.
+    in_branch: inside a branch of a conditional (``lax.cond``).
+    outside: neither in a loop nor in a branch: once per call.
   """
 
   total: dict[str, int]  # everywhere in the program.

@@ -88,7 +88,21 @@ class Table(tuple):
 
 
 class Plan(NamedTuple):
-  """What :func:`plan_microbatches` chose, and every candidate it compiled."""
+  """What :func:`plan_microbatches` chose, and every candidate it compiled.
+
+  Attributes:
+    num_microbatches: the chosen ``k``.
+    gradient_sync: the chosen ``gradient_sync`` policy, ``"once"`` or
+      ``"every_microbatch"``.
+    gather_params: the chosen ``gather_params`` policy, likewise.
+    value_and_grad: :func:`optax_accum.value_and_grad` built with these
+      settings.
+    memory_bytes: the chosen step's memory per device, in bytes (temporaries
+      + arguments + outputs - aliased).
+    collectives_per_update: the chosen step's collectives per update: those
+      outside the loop + ``k`` times those inside it.
+    table: every candidate compiled, in order; ``print`` shows it aligned.
+  """
 
   num_microbatches: int
   gradient_sync: str
