@@ -175,9 +175,11 @@ def test_bad_arguments_are_named_before_compiling():
     with pytest.raises(ValueError, match="divisors of the per-device batch"):
       oa.plan_microbatches(_loss, params, batch, memory_budget=1,
                            candidates=(3,), axis_name="data")
+  # Unsharded inputs carry no mesh: outside jax.set_mesh there is none.
+  host = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
   with pytest.raises(ValueError, match=r"jax\.set_mesh"):
-    oa.plan_microbatches(_loss, params, batch, memory_budget=1,
-                         axis_name="data")
+    oa.plan_microbatches(_loss, *host, memory_budget=1, axis_name="data")
 
 
 def test_plan_example_prints_a_plan_per_budget(capsys):
