@@ -3,8 +3,9 @@
 Two families of entry points share the modules below them.
 
 **One call of** :func:`optax_accum.value_and_grad` (and of
-:func:`optax_accum.coupled_value_and_grad`; :func:`optax_accum.plan_microbatches`
-compiles such calls) reads as stages in order, data passing downward::
+:func:`optax_accum.coupled_value_and_grad`;
+:func:`optax_accum.plan_microbatches` compiles such calls) reads as stages in
+order, data passing downward::
 
   value_and_grad.py     checks the arguments once; builds a stages.Program
    |                    (microbatch_loop.program) and runner.Settings

@@ -24,6 +24,7 @@ identity, and XLA cannot partition one in a partially manual program.
 """
 
 import contextlib
+from contextlib import nullcontext
 import math
 from typing import Any, NamedTuple
 
@@ -118,7 +119,7 @@ def detect(axis_name: axes.AxisName | None, *trees: Any) -> Form:
 def entered(form: Form) -> contextlib.AbstractContextManager:
   """A context that makes the form's mesh current, if it must be entered."""
   if form.enter is None:
-    return contextlib.nullcontext()
+    return nullcontext()
   return jax.sharding.use_abstract_mesh(form.enter)
 
 
