@@ -11,13 +11,18 @@
 - The runner of a Markdown file's ```python blocks (README, docs).
 """
 
+import argparse
+import importlib
 import pathlib
 import re
+import sys
+import types
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -118,6 +123,62 @@ def assert_trees_equal(actual, expected):
   ):
     assert leaf.dtype == expected_leaf.dtype, (leaf.dtype, expected_leaf.dtype)
     np.testing.assert_array_equal(np.asarray(leaf), np.asarray(expected_leaf))
+
+
+# Examples.
+
+EXAMPLES = ROOT / "examples"
+
+
+def import_example(script: str) -> types.ModuleType:
+  """Imports ``examples/<script>.py`` the way running it would find its modules.
+
+  ``script`` is e.g. ``"resume"`` or ``"train_lm/main"``. An example's modules
+  import one another by bare name (``import train``), as flax's examples do,
+  so its folder goes first on ``sys.path`` while it is imported. Its modules
+  are then taken out of ``sys.modules`` again, so that two examples'
+  ``train.py`` never meet; the returned module keeps them as attributes.
+  """
+  path = EXAMPLES / f"{script}.py"
+  folder = str(path.parent)
+  siblings = [sibling.stem for sibling in path.parent.glob("*.py")]
+  sys.path.insert(0, folder)
+  try:
+    for name in siblings:
+      sys.modules.pop(name, None)
+    return importlib.import_module(path.stem)
+  finally:
+    sys.path.remove(folder)
+    for name in siblings:
+      sys.modules.pop(name, None)
+
+
+def assert_flags_have_help_and_defaults(script: str, monkeypatch) -> None:
+  """Every flag of ``examples/<script>.py`` says what it does and its default.
+
+  ``monkeypatch`` is pytest's fixture: parsing the arguments stops the
+  example before it does any work.
+  """
+  example = import_example(script)
+  parsers = []
+
+  def record(parser, *args, **kwargs):
+    del args, kwargs
+    parsers.append(parser)
+    raise SystemExit(0)
+
+  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", record)
+  with pytest.raises(SystemExit):
+    example.main([])
+  (parser,) = parsers
+  flags = [action for action in parser._actions  # pylint: disable=protected-access
+           if action.help != argparse.SUPPRESS
+           and "-h" not in action.option_strings]
+  assert flags, script
+  printed = parser.format_help()
+  for action in flags:
+    assert action.help, action.option_strings  # says what the flag does
+  assert len(re.findall(r"\(default:\s", printed)) == len(flags), printed
 
 
 # Markdown snippets.

@@ -17,7 +17,6 @@ import pytest
 
 import helpers
 import optax_accum as oa
-import test_examples
 
 N = 8  # simulated devices (tests/conftest.py).
 K = 2  # micro-batches per device and step.
@@ -535,7 +534,7 @@ def test_accumulate_on_a_2d_mesh_in_shard_map_with_sharded_params():
 @pytest.mark.parametrize("axis_types", ["auto", "explicit"])
 def test_mesh_2d_example_matches_the_single_device_full_batch(
     axis_types, capsys):
-  mesh_2d = test_examples.import_example("mesh_2d/main")
+  mesh_2d = helpers.import_example("mesh_2d/main")
   results = mesh_2d.main(
       ["--k", "2", "--steps", "2", "--axis-types", axis_types]
   )

@@ -4,13 +4,10 @@
 sharding tests. The README's code blocks are run here too.
 """
 
-import argparse
-import importlib
 import pathlib
 import re
 import subprocess
 import sys
-import types
 
 import jax
 import numpy as np
@@ -23,32 +20,9 @@ ROOT = pathlib.Path(__file__).parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-def import_example(script: str) -> types.ModuleType:
-  """Imports ``examples/<script>.py`` the way running it would find its modules.
-
-  ``script`` is e.g. ``"resume"`` or ``"train_lm/main"``. An example's modules
-  import one another by bare name (``import train``), as flax's examples do,
-  so its folder goes first on ``sys.path`` while it is imported. Its modules
-  are then taken out of ``sys.modules`` again, so that two examples'
-  ``train.py`` never meet; the returned module keeps them as attributes.
-  """
-  path = EXAMPLES / f"{script}.py"
-  folder = str(path.parent)
-  siblings = [sibling.stem for sibling in path.parent.glob("*.py")]
-  sys.path.insert(0, folder)
-  try:
-    for name in siblings:
-      sys.modules.pop(name, None)
-    return importlib.import_module(path.stem)
-  finally:
-    sys.path.remove(folder)
-    for name in siblings:
-      sys.modules.pop(name, None)
-
-
 def test_train_lm_accumulation_follows_the_full_batch_and_naive_does_not(
     tmp_path, capsys):
-  train_lm = import_example("train_lm/main")
+  train_lm = helpers.import_example("train_lm/main")
   plot_path = tmp_path / "plots" / "lm.png"
   steps = 4
   results = train_lm.main([
@@ -83,26 +57,7 @@ def test_train_lm_accumulation_follows_the_full_batch_and_naive_does_not(
     "scan_train_step", "contrastive/main", "noise_scale/main", "plan"])
 def test_help_gives_every_flag_a_help_text_and_its_default(
     script, monkeypatch):
-  example = import_example(script)
-  parsers = []
-
-  def record(parser, *args, **kwargs):
-    del args, kwargs
-    parsers.append(parser)
-    raise SystemExit(0)
-
-  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", record)
-  with pytest.raises(SystemExit):  # before the example does any work.
-    example.main([])
-  (parser,) = parsers
-  flags = [action for action in parser._actions  # pylint: disable=protected-access
-           if action.help != argparse.SUPPRESS
-           and "-h" not in action.option_strings]
-  assert flags, script
-  printed = parser.format_help()
-  for action in flags:
-    assert action.help, action.option_strings  # says what the flag does
-  assert len(re.findall(r"\(default:\s", printed)) == len(flags), printed
+  helpers.assert_flags_have_help_and_defaults(script, monkeypatch)
 
 
 @pytest.mark.parametrize("example", ["train_lm", "mesh_2d"])
@@ -116,7 +71,7 @@ def test_folder_examples_run_as_scripts_from_anywhere(example, tmp_path):
 
 
 def test_mesh_2d_labels_each_collective_with_its_mesh_axis():
-  collectives = import_example("mesh_2d/main").train.collectives
+  collectives = helpers.import_example("mesh_2d/main").train.collectives
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   spellings = {  # what XLA prints, and which axis each one means.
       "replica_groups={{0,2,4,6},{1,3,5,7}}": "data",
@@ -138,7 +93,7 @@ def test_mesh_2d_labels_each_collective_with_its_mesh_axis():
 
 
 def test_batchnorm_linen_group_norm_is_exact_and_batch_norm_trains_as_well():
-  batchnorm_linen = import_example("batchnorm_linen")
+  batchnorm_linen = helpers.import_example("batchnorm_linen")
   k = 2
   results = batchnorm_linen.main(
       ["--steps", "40", "--k", str(k), "--batch-size", "32", "--quiet"])
@@ -160,7 +115,7 @@ def test_batchnorm_linen_group_norm_is_exact_and_batch_norm_trains_as_well():
 
 
 def test_resume_mid_cycle_in_a_new_process_is_bit_identical(tmp_path, capsys):
-  resume = import_example("resume")
+  resume = helpers.import_example("resume")
   k, save_at, micro_steps = 4, 5, 10
   results = resume.main([
       "--micro-steps", str(micro_steps), "--save-at", str(save_at),
@@ -184,7 +139,7 @@ def test_resume_mid_cycle_in_a_new_process_is_bit_identical(tmp_path, capsys):
 
 
 def test_scan_train_step_is_the_full_batch_gradient_and_the_loss_falls():
-  scan_train_step = import_example("scan_train_step")
+  scan_train_step = helpers.import_example("scan_train_step")
   results = scan_train_step.main([])
 
   assert results["loss_error"] < 1e-5, results["loss_error"]

@@ -29,7 +29,6 @@ import helpers
 import optax_accum as oa
 from optax_accum._src import noise_scale
 from optax_accum._src import token_weighting
-import test_examples
 
 SEQ, DIM = 4, 8
 
@@ -478,7 +477,7 @@ def test_docs_snippets_run():
 
 
 def test_noise_scale_example_adapts_the_batch_size(tmp_path):
-  example = test_examples.import_example("noise_scale/main")
+  example = helpers.import_example("noise_scale/main")
   plot_path = tmp_path / "noise_scale.png"
   results = example.main([
       "--steps", "6", "--k", "4", "--microbatch-size", "2", "--seq-len", "24",
@@ -501,5 +500,4 @@ def test_noise_scale_example_adapts_the_batch_size(tmp_path):
 
 
 def test_noise_scale_example_gives_every_flag_a_help_text(monkeypatch):
-  test_examples.test_help_gives_every_flag_a_help_text_and_its_default(
-      "noise_scale/main", monkeypatch)
+  helpers.assert_flags_have_help_and_defaults("noise_scale/main", monkeypatch)

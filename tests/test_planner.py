@@ -13,9 +13,9 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 import pytest
 
+import helpers
 import optax_accum as oa
 from optax_accum._src import planner
-import test_examples
 
 N = 8  # simulated devices (tests/conftest.py).
 CANDIDATES = (1, 2, 4)
@@ -183,7 +183,7 @@ def test_bad_arguments_are_named_before_compiling():
 
 
 def test_plan_example_prints_a_plan_per_budget(capsys):
-  example = test_examples.import_example("plan")
+  example = helpers.import_example("plan")
   result = example.main([
       "--budgets-mib", "1000", "0.001", "--layers", "1", "--dim", "32",
       "--vocab", "64", "--seq-len", "8", "--batch-size", "16",
