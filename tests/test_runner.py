@@ -8,6 +8,7 @@ mesh, tensor-parallel parameters (a reduce-scatter JAX cannot type), and an
 Auto-sharded batch outside ``jax.set_mesh`` (resharded every step before).
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -162,3 +163,16 @@ def test_coupled_with_tensor_parallel_reps():
   helpers.assert_trees_close(
       jax.tree.map(np.asarray, (value, grads)), expected, rtol=1e-5,
       atol=1e-6)
+
+
+@pytest.mark.parametrize("axis_name", [None, "data"])
+def test_a_second_call_with_new_values_does_not_retrace(axis_name):
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  params, batch = _problem()
+  chex.clear_trace_counter()  # counts are kept by function, across tests.
+  step = jax.jit(chex.assert_max_traces(_fn(axis_name=axis_name), n=1))
+  with jax.set_mesh(mesh):
+    step(params, batch)
+    out = step(params, jax.tree.map(lambda x: x + 1.0, batch))
+  # The other batch has other tokens: its own full-batch gradient.
+  _assert_exact(out, params, jax.tree.map(lambda x: x + 1.0, batch))
