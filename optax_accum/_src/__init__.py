@@ -5,7 +5,9 @@ Two families of entry points share the modules below them.
 **One call of** :func:`optax_accum.value_and_grad` (and of
 :func:`optax_accum.coupled_value_and_grad`;
 :func:`optax_accum.plan_microbatches` compiles such calls) reads as stages in
-order, data passing downward::
+order, data passing downward:
+
+.. code-block:: text
 
   value_and_grad.py     checks the arguments once; builds a stages.Program
    |                    (microbatch_loop.program) and runner.Settings
@@ -30,7 +32,9 @@ order, data passing downward::
 stages.py holds the NamedTuples that cross those boundaries (Partials,
 Result, Program). Nothing below runner.py calls back into an entry module.
 
-**One call of** ``oa.accumulate(...).update``::
+**One call of** ``oa.accumulate(...).update``:
+
+.. code-block:: text
 
   accumulate.py         the micro-step: checks (incoming_grads.py), drops,
    |                    the lazy-reset add (token_weighting.py), the emit
