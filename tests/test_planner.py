@@ -195,3 +195,68 @@ def test_plan_example_prints_a_plan_per_budget(capsys):
   assert "memory_budget = 1000 MiB per device" in printed
   assert "No candidate fits memory_budget=1048 bytes" in printed
   assert "gradient sharded like the parameters: True" in printed
+
+
+def _plan_and_run(loss_fn, operands, expected_fn, **kwargs):
+  """Plans at k=2 (a generous budget), runs the plan, compares to the batch."""
+  call = {key: kwargs.pop(key) for key in ("rng",) if key in kwargs}
+  loss_kwargs = kwargs.get("loss_kwargs") or {}
+  plan = oa.plan_microbatches(loss_fn, *operands, memory_budget=2**30,
+                              candidates=(2,), **kwargs, **call)
+  assert plan.num_microbatches == 2
+  value, grads = jax.jit(plan.value_and_grad)(*operands, **call, **loss_kwargs)
+  helpers.assert_trees_close((value, grads), expected_fn(), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_the_plan_takes_args_rng_and_keyword_arguments():
+  w, batch = jnp.full((4,), 0.3), {"x": jnp.arange(32.0).reshape(8, 4) / 10}
+
+  def loss(w, mb, scale, *, rng, power):
+    del rng  # taken, as a dropout model would; the gradient is exact.
+    return jnp.mean(jnp.tanh(mb["x"] @ w * scale) ** power)
+
+  _plan_and_run(
+      loss, (w, batch, 2.0),
+      lambda: jax.value_and_grad(loss)(w, batch, 2.0, rng=None, power=2),
+      rng=jax.random.key(0), loss_kwargs={"power": 2})
+
+
+def test_the_plan_threads_model_state():
+  w, state = jnp.full((4,), 0.3), jnp.zeros([])
+  batch = {"x": jnp.arange(32.0).reshape(8, 4) / 10}
+
+  def loss(w, state, mb):
+    return jnp.mean(jnp.tanh(mb["x"] @ w) ** 2), state + 1.0
+
+  plan = oa.plan_microbatches(loss, w, state, batch, memory_budget=2**30,
+                              candidates=(2,), has_state=True)
+  (value, new_state), grads = plan.value_and_grad(w, state, batch)
+  assert float(new_state) == 2.0  # one step per micro-batch.
+  full = jax.value_and_grad(lambda w: loss(w, state, batch)[0])(w)
+  helpers.assert_trees_close((value, grads), full, rtol=1e-5)
+
+
+def test_a_coupled_loss_is_planned_with_encode_fn():
+  w, x = jnp.ones((2, 3)), jnp.arange(8.0).reshape(4, 2)
+  encode = lambda w, x: x @ w
+  loss = lambda w, reps, x: jnp.sum(reps**2) / jnp.sum(jnp.abs(reps))
+  _plan_and_run(loss, (w, x),
+                lambda: jax.value_and_grad(lambda w: loss(w, encode(w, x),
+                                                          x))(w),
+                encode_fn=encode)
+
+
+def test_a_shard_map_step_is_planned_with_wrap():
+  mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
+  w, batch = jnp.full((4,), 0.3), {"x": jnp.arange(64.0).reshape(16, 4) / 10}
+  loss = lambda w, mb: jnp.mean(jnp.tanh(mb["x"] @ w) ** 2)
+  wrap = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")),
+                                  out_specs=P())
+  plan = oa.plan_microbatches(loss, w, batch, memory_budget=2**30,
+                              candidates=(1,), wrap=wrap, axis_name="data")
+  counts = plan.table[0].collectives
+  assert counts.total == {"all-reduce": 1}, counts  # the one reduction.
+  value, grads = jax.jit(wrap(plan.value_and_grad))(w, batch)
+  helpers.assert_trees_close((value, grads),
+                             jax.value_and_grad(loss)(w, batch), rtol=1e-5)

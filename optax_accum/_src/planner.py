@@ -204,6 +204,8 @@ def _rows_per_device(step: _Step) -> int:
   if axis_name is None:
     return rows
   mesh, _ = forms.current_mesh(step.operands)
+  if step.wrap is not None and mesh is None:
+    return _rows_seen_inside(step)
   sizes = {} if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes))
   if any(a not in sizes for a in axes.axes_of(axis_name)):
     raise ValueError(
@@ -215,6 +217,32 @@ def _rows_per_device(step: _Step) -> int:
   devices = math.prod(sizes[a] for a in axes.axes_of(axis_name))
   batching.check_divisible(rows, 1, devices=devices)
   return rows // devices
+
+
+def _rows_seen_inside(step: _Step) -> int:
+  """The rows per device that ``step.wrap`` hands the loop, by tracing it.
+
+  A step wrapped in a shard_map brings its own mesh: the loop (with one
+  micro-batch) sees the device's share of the batch.
+  """
+  seen = []
+  fn = step.encode_fn if step.encode_fn is not None else step.loss_fn
+  axes_ = batching.check_batch_axes(step.vg_kwargs.get("batch_axes", 0))
+
+  at = 2 if step.vg_kwargs.get("has_state") and step.encode_fn is None else 1
+
+  def probe(*args, **kwargs):
+    microbatch = args[at]
+    seen.append(batching.split_size(
+        microbatch, batching.leaf_axes(microbatch, axes_)))
+    return fn(*args, **kwargs)
+
+  if step.encode_fn is not None:
+    probed = _build(step._replace(encode_fn=probe), 1, fsdp.Policy())
+  else:
+    probed = _build(step._replace(loss_fn=probe), 1, fsdp.Policy())
+  jax.eval_shape(step.wrap(probed), *step.operands, **step.call_kwargs)
+  return seen[0]
 
 
 def _check_candidates(candidates: Iterable[int] | None, rows: int) -> list[int]:
