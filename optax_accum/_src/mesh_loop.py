@@ -19,6 +19,7 @@ from optax_accum._src import axes
 from optax_accum._src import batching
 from optax_accum._src import fsdp
 from optax_accum._src import sharding
+from optax_accum._src import unreduced_sums
 
 
 def mesh_axis_size(axis_name: axes.AxisName) -> int:
@@ -51,6 +52,7 @@ def over_mesh(
     batch: Any,
     replicated: Any,
     param_specs: Any = None,
+    unreduced_grads: bool = False,
 ) -> Any:
   """Runs ``data_parallel`` in a shard_map over an axis of the current mesh.
 
@@ -70,6 +72,10 @@ def over_mesh(
       the PRNG key), replicated over the axis.
     param_specs: the parameters' specs (a spec or a tree prefix); None reads
       them off the parameters' types (Explicit axes).
+    unreduced_grads: whether ``data_parallel`` leaves each device's partial
+      gradient unsummed over the axes that do not shard its parameter
+      (``gradient_sync="deferred"``): it comes back typed unreduced over
+      them, e.g. ``P("fsdp", unreduced={"replica"})``.
 
   Returns:
     ``data_parallel``'s outputs; a stacked ``aux`` leaf is concatenated over
@@ -106,10 +112,16 @@ def over_mesh(
         lambda a: a[:, None] if jnp.ndim(a) == 1 else a, aux.stacked)
     return loss, grads, model_state, aux._replace(stacked=stacked), stats
 
+  grad_specs = param_specs
+  if unreduced_grads:
+    grad_specs = jax.tree.map(
+        lambda s: P(*s, unreduced=set(
+            unreduced_sums.slot_axes(s, axis_name))),
+        param_specs, is_leaf=lambda x: isinstance(x, P))
   sharded = jax.shard_map(
       body,
       in_specs=(param_specs, batch_specs, P()),
-      out_specs=(P(), param_specs, P(),
+      out_specs=(P(), grad_specs, P(),
                  aux_reduction.Parts(P(None, axis_name), P()), P()),
       axis_names=set(axes.axes_of(axis_name)),
   )

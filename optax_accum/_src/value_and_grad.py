@@ -4,6 +4,7 @@ from collections.abc import Callable
 import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -18,6 +19,7 @@ from optax_accum._src import microbatch_rng
 from optax_accum._src import noise_scale
 from optax_accum._src import partial_sums
 from optax_accum._src import sharding
+from optax_accum._src import unreduced_sums
 from optax_accum._src import validation
 
 
@@ -61,6 +63,43 @@ def _data_parallel(loss, opts, params, inputs, param_specs=None):
   sums = loop_lib.Sums(grads, loss_sum, tokens, running, stats)
   return loop_lib.finish(sums, out, params, sq_norm=lambda tree: (
       sharding.sq_norm_of_shards(tree, lay.specs, noise_scale.sq_norm)))
+
+
+def _check_deferred(opts: loop_lib.Options) -> None:
+  """``gradient_sync="deferred"`` needs an axis and leaves no norm to take."""
+  if opts.axis_name is None:
+    raise ValueError(
+        "gradient_sync='deferred' leaves the gradient unreduced over"
+        " axis_name, but axis_name is None: give the data-parallel axis."
+    )
+  if opts.with_stats:
+    raise ValueError(
+        "with_stats=True needs the reduced gradient's norm, which"
+        " gradient_sync='deferred' does not compute: use one or the other."
+    )
+
+
+def _check_deferred_mesh(axis_name: axes.AxisName) -> None:
+  """Under jit, only Explicit axes can type a gradient unreduced."""
+  unreduced_sums.check_supported("gradient_sync='deferred'")
+  mesh_loop.mesh_axis_size(axis_name)
+  if not axes.all_explicit(axis_name):
+    raise ValueError(
+        f"gradient_sync='deferred' returns the gradient typed unreduced over"
+        f" axis_name={axis_name!r}, which needs AxisType.Explicit mesh axes;"
+        f" the current mesh is {jax.sharding.get_abstract_mesh()}. Make the"
+        " mesh with jax.make_mesh(..., axis_types=(AxisType.Explicit, ...)),"
+        " or use gradient_sync='once'."
+    )
+  others = set(jax.sharding.get_abstract_mesh().axis_names) - set(
+      axes.axes_of(axis_name))
+  if others:
+    raise ValueError(
+        f"gradient_sync='deferred' needs axis_name={axis_name!r} to span"
+        f" every axis of the mesh (JAX types a shard_map's outputs unreduced"
+        f" only when all mesh axes are manual), but {sorted(others)} is not"
+        " in it. Use gradient_sync='once' on meshes with model axes."
+    )
 
 
 def value_and_grad(
@@ -258,6 +297,9 @@ def value_and_grad(
   )
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
+  deferred = opts.fsdp_policy.gradient_sync == fsdp.DEFERRED
+  if deferred:
+    _check_deferred(opts)
   loss = loss_signature.normalize(loss_fn, opts.has_aux, opts.has_state)
 
   @functools.wraps(loss_fn)
@@ -271,11 +313,14 @@ def value_and_grad(
     elif axes.is_bound(opts.axis_name):
       result = _data_parallel(loss, opts, params, inputs, opts.param_specs)
     else:
+      if deferred:
+        _check_deferred_mesh(opts.axis_name)
       result = loop_lib.Result(*mesh_loop.over_mesh(
           lambda p, b, rest, specs: _data_parallel(
               loss, opts, p, rest._replace(batch=b), specs),
           opts.axis_name, opts.num_microbatches, opts.batch_axes,
           params, batch, inputs._replace(batch=None), opts.param_specs,
+          unreduced_grads=deferred,
       ))
     result = result._replace(aux=aux_reduction_lib.merge(result.aux))
     value, grads = loss_signature.pack(result, opts.has_aux, opts.has_state)
