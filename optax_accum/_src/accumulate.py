@@ -377,6 +377,24 @@ def accumulate(
   :func:`jax.pmap`, with :func:`optax_accum.state_partition_specs` for the
   state's specs.
 
+  With ``axis_name`` under plain :func:`jax.jit` (no manual axis), the
+  gradients must be typed *unreduced* over the data axes, as
+  :func:`optax_accum.value_and_grad` ``(..., gradient_sync="deferred")``
+  returns them on a mesh with Explicit axes: each device's partial, whose sum
+  over the devices is the batch's gradient, and ``num_tokens`` the batch's
+  global token count. Each call adds the device's weighted partial to its
+  own slot, with no gradient-sized communication; the emitting call reduces
+  the slots once (PyTorch DDP's ``no_sync`` loop, one jit call per
+  micro-batch). Call ``tx.init(params)`` under ``jax.set_mesh(mesh)``: the
+  slots are then sharded over the data axes (those that do not shard a
+  parameter, FSDP/HSDP), an ordinary array that checkpoints save as they
+  are. The ``skip_nonfinite`` decision is global (one scalar reduction per
+  call); ``should_skip`` runs on the unreduced gradients, on which JAX
+  allows little arithmetic, so decide from replicated values;
+  ``with_stats`` is refused. A gradient that is already reduced is refused
+  (each device would count it), and so is an unreduced gradient given to
+  an ``accumulate`` without ``axis_name``.
+
   Args:
     inner: the optimizer to run on the accumulated gradient.
     every_k: micro-steps per optimizer update: a positive int, or a callable
@@ -385,7 +403,10 @@ def accumulate(
     loss_reduction: how each incoming gradient's loss was reduced over its
       ``num_tokens`` items: ``"mean"`` or ``"sum"``.
     accumulator_dtype: floating dtype of the running sum.
-    axis_name: data-parallel axis (or axes) to sum over on emit, or None.
+    axis_name: data-parallel axis (or axes) to sum over on emit, or None:
+      a manual axis (shard_map, pmap), or under jit the mesh axes the
+      gradients are unreduced over (the ``axis_name`` given to
+      ``value_and_grad``).
     skip_nonfinite: if True, a micro-step whose gradient (or ``num_tokens``)
       has a NaN or Inf, or whose ``num_tokens`` is negative, adds nothing,
       neither gradient nor tokens, but still counts as a micro-step of the

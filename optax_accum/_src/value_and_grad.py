@@ -221,6 +221,15 @@ def value_and_grad(
       each micro-batch's gradient into a sum sharded like the parameters (in
       ``accumulator_dtype``): 1/N of the gradient memory, ``k`` times the
       reduce-scatters. Replicated parameters are summed once either way.
+      ``"deferred"`` sums nothing over the axis but scalars: the gradient
+      comes back as each device's partial (reduce-scattered over the axes
+      that shard its parameter), typed unreduced over the other data axes
+      under jit (``P("fsdp", unreduced={"replica"})``; Explicit axes
+      spanning the whole mesh), device-local inside shard_map; its sum over
+      the devices is the batch's gradient. Hand it to
+      :func:`optax_accum.accumulate` ``(..., axis_name=...)``, which reduces
+      once per update: one jit call per micro-batch, like PyTorch DDP's
+      ``no_sync``. The loss comes back reduced; ``with_stats`` is refused.
     gather_params: for parameters sharded over ``axis_name``, ``"once"``
       all-gathers them before the loop and holds them whole through it;
       ``"every_microbatch"`` holds the shards and all-gathers them inside the
