@@ -1,4 +1,4 @@
-"""Deferred gradient sync: one jit call per micro-batch, one reduction per update.
+"""Deferred gradient sync: a jit call per micro-batch, one reduction per update.
 
 ``oa.value_and_grad(..., gradient_sync="deferred")`` returns each device's
 partial gradient, typed unreduced over the data axes under jit, and
@@ -325,7 +325,7 @@ def test_should_skip_reading_unreduced_gradients_gets_our_error():
   with jax.set_mesh(_mesh()):
     params = jax.device_put(_params(), P())
     batch = jax.device_put(_micro_batches(1)[0], P("data"))
-    with pytest.raises(ValueError, match="should_skip.*unreduced"):
+    with pytest.raises(ValueError, match=r"should_skip.*unreduced"):
       step(params, tx.init(params), batch)
 
 
@@ -341,10 +341,10 @@ def test_with_stats_is_refused_on_unreduced_gradients():
 
 
 def test_bad_deferred_settings_name_gradient_sync():
-  with pytest.raises(ValueError, match="gradient_sync='deferred'.*axis_name"):
+  with pytest.raises(ValueError, match=r"gradient_sync=.deferred.*axis_name"):
     oa.value_and_grad(_loss, num_microbatches=1, gradient_sync="deferred")
   with pytest.raises(ValueError, match="with_stats"):
     _grad_fn(with_stats=True)
   with jax.set_mesh(_mesh(axis_type=AxisType.Auto)):
-    with pytest.raises(ValueError, match="gradient_sync='deferred'.*Explicit"):
+    with pytest.raises(ValueError, match=r"gradient_sync=.deferred.*Explicit"):
       jax.jit(_grad_fn())(_params(), _micro_batches(1)[0])

@@ -21,7 +21,12 @@ def _slot_spec(param_spec: P, slots: Any, slot: axes.AxisName,
   only the others): without ``param_specs``, that spec is the answer.
   """
   typed = sharding.explicit_spec(slots) if from_type else None
-  return typed if typed is not None else P(slot, *param_spec)
+  if typed is None:
+    return P(slot, *param_spec)
+  entries = list(typed)
+  while entries and entries[-1] is None:  # as P(...) writes it.
+    entries.pop()
+  return P(*entries)
 
 
 def state_partition_specs(

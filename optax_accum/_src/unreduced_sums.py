@@ -146,7 +146,8 @@ def check_grads(grads: Any, grad_sum: Any, axis_name: axes.AxisName,
           f"{axis_name!r}) takes per-device partial gradients, and would"
           " count an already reduced gradient once per device. Take the"
           " gradient with optax_accum.value_and_grad(..., axis_name="
-          f"{axis_name!r}, gradient_sync='deferred'), or build accumulate"
+          f"{axis_name!r}, gradient_sync='deferred'), call tx.update inside"
+          " jax.shard_map on device-local gradients, or build accumulate"
           " with axis_name=None for reduced gradients."
       )
     raise ValueError(
