@@ -34,6 +34,7 @@ BENCHMARKS = (
     "bench_memory",          # e. accumulator memory
     "bench_coupled",         # f. a loss coupling the batch vs the full batch
     "bench_noise_scale",     # g. with_stats=True vs without
+    "bench_no_sync",         # h. one jit call per micro-batch: deferred sync
 )
 RESULTS_DIR = os.path.join(_HERE, "results")
 

@@ -54,7 +54,8 @@ def test_train_lm_accumulation_follows_the_full_batch_and_naive_does_not(
 
 @pytest.mark.parametrize("script", [
     "train_lm/main", "mesh_2d/main", "batchnorm_linen", "resume",
-    "scan_train_step", "contrastive/main", "noise_scale/main", "plan"])
+    "scan_train_step", "contrastive/main", "noise_scale/main", "plan",
+    "no_sync"])
 def test_help_gives_every_flag_a_help_text_and_its_default(
     script, monkeypatch):
   helpers.assert_flags_have_help_and_defaults(script, monkeypatch)
@@ -161,6 +162,15 @@ def test_scan_train_step_is_the_full_batch_gradient_and_the_loss_falls():
     mean_of_means = np.mean([float(metric(params, mb)) for mb in microbatches])
     full = float(metric(params, batch))
     assert abs(mean_of_means - full) > 1e-2 * full, metric
+
+
+def test_no_sync_reduces_once_per_update_and_is_the_full_batch_step(capsys):
+  results = helpers.import_example("no_sync").main(["--k", "4", "--rows", "16"])
+  assert results["jax.grad"]["reductions"] == 4  # the naive loop: k.
+  assert results["deferred"]["reductions"] == 1
+  for r in results.values():
+    assert r["error"] < 1e-6, results
+  assert "1 gradient all-reduce(s) per update" in capsys.readouterr().out
 
 
 def test_readme_snippets_run():

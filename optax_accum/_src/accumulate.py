@@ -8,11 +8,13 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
+from optax_accum._src import axes
 from optax_accum._src import emitting
 from optax_accum._src import incoming_grads
 from optax_accum._src import noise_scale
 from optax_accum._src import partial_sums
 from optax_accum._src import token_weighting
+from optax_accum._src import unreduced_sums
 from optax_accum._src import validation
 
 
@@ -62,6 +64,15 @@ class AccumulateState(NamedTuple):
   stats: noise_scale.GradStats | None  # float32 scalars.
 
 
+_STATS_UNREDUCED = (
+    "with_stats=True cannot estimate the noise scale from unreduced"
+    " gradients (accumulate(axis_name=...) under jax.jit): it needs each"
+    " micro-step's reduced gradient norm, a gradient-sized reduction per"
+    " call. Use with_stats inside jax.shard_map with device-local gradients"
+    " and each device's own num_tokens, or oa.value_and_grad(...,"
+    " with_stats=True) without gradient_sync='deferred'."
+)
+
 # The fields of AccumulateState that hold per-device scalars under axis_name.
 PER_DEVICE_COUNTS = (
     "token_count", "nonfinite_count", "skipped_count", "stats_sums"
@@ -105,12 +116,17 @@ def _drops(updates, tokens, state, params, skip_nonfinite, should_skip):
     # a 0/0 mean): it is not a dropped one.
     bad_grads = ~_all_finite(updates) & (tokens != 0)
     nonfinite = token_weighting.is_bad_count(tokens) | bad_grads
-  skipped = jnp.bool_(False)
-  if should_skip is not None:
-    skipped = validation.check_predicate(
-        "should_skip(grads, state, params)", should_skip(updates, state, params)
-    )
-  return _Drops(nonfinite=nonfinite, skipped=skipped)
+  return _Drops(nonfinite=nonfinite,
+                skipped=_skipped(should_skip, updates, state, params))
+
+
+def _skipped(should_skip, updates, state, params):
+  """``should_skip``'s verdict, a bool scalar (False without one)."""
+  if should_skip is None:
+    return jnp.bool_(False)
+  return validation.check_predicate(
+      "should_skip(grads, state, params)", should_skip(updates, state, params)
+  )
 
 
 def _add_to_sum(grad_sum, updates, contribution, cycle_start):
@@ -148,8 +164,9 @@ def _zero_where(flag, tree):
   return jax.tree.map(lambda x: jnp.where(flag, jnp.zeros_like(x), x), tree)
 
 
-def _next_state(state, micro_step, emit, cycle: emitting.Cycle,
-                emitted: emitting.Emitted, drops):
+def _next_state(state, micro_step, emit, step: "_MicroStep",
+                emitted: emitting.Emitted):
+  cycle = step.cycle
   return AccumulateState(
       micro_step=_zero_where(emit, micro_step),
       count=_increment_where(emitted.updated, state.count),
@@ -157,8 +174,8 @@ def _next_state(state, micro_step, emit, cycle: emitting.Cycle,
       token_count=_zero_where(emit, cycle.token_count),
       inner_state=emitted.inner_state,
       emitted=emitted.updated,
-      nonfinite_count=_increment_where(drops.nonfinite, state.nonfinite_count),
-      skipped_count=_increment_where(drops.skipped, state.skipped_count),
+      nonfinite_count=step.nonfinite_count,
+      skipped_count=step.skipped_count,
       stats_sums=_zero_where(emit, cycle.stats_sums),
       stats=emitted.stats,
   )
@@ -179,6 +196,106 @@ def _cycle_after(state, grads, contribution, loss_reduction) -> emitting.Cycle:
   )
 
 
+class _Rules(NamedTuple):
+  """The settings a micro-step is added under."""
+
+  loss_reduction: str
+  axis_name: axes.AxisName | None
+  skip_nonfinite: bool
+  should_skip: Callable[[Any, Any, Any], Any] | None
+
+
+class _MicroStep(NamedTuple):
+  """A micro-step added to the running sums, before the emit decision."""
+
+  grads: Any  # the incoming gradients, checked and floating.
+  cycle: emitting.Cycle
+  nonfinite_count: jax.Array  # like state.nonfinite_count.
+  skipped_count: jax.Array  # like state.skipped_count.
+
+
+def _add_microstep(updates, state, params, num_tokens, rules) -> _MicroStep:
+  """Adds a micro-step's gradients: global, or device-local in shard_map."""
+  tokens = validation.as_token_count("num_tokens", num_tokens)
+  updates = incoming_grads.checked_grads(
+      updates, state.grad_sum, rules.axis_name, num_tokens
+  )
+  drops = _drops(updates, tokens, state, params, rules.skip_nonfinite,
+                 rules.should_skip)
+  contribution = token_weighting.contribution(
+      tokens, rules.loss_reduction, drop=drops.nonfinite | drops.skipped
+  )
+  return _MicroStep(
+      grads=updates,
+      cycle=_cycle_after(state, updates, contribution, rules.loss_reduction),
+      nonfinite_count=_increment_where(drops.nonfinite, state.nonfinite_count),
+      skipped_count=_increment_where(drops.skipped, state.skipped_count),
+  )
+
+
+def _add_unreduced_microstep(updates, state, params, num_tokens,
+                             rules) -> _MicroStep:
+  """Adds a micro-step's unreduced gradients under jit (no communication).
+
+  Each device adds its own partial, weighted by the global ``num_tokens``,
+  to its slot; the token count and the drop counts, the same on every
+  device, go into device 0's slot only. The non-finite decision is global:
+  one scalar reduction. ``should_skip`` runs under jit on the unreduced
+  gradients and the state as they are.
+  """
+  tokens = validation.as_token_count("num_tokens", num_tokens)
+  updates = incoming_grads.checked_partials(
+      updates, state.grad_sum, rules.axis_name, num_tokens
+  )
+  skipped = _skipped_unreduced(rules.should_skip, updates, state, params)
+
+  def local(grads, sums, tokens, skipped, cycle_start):
+    nonfinite = jnp.bool_(False)
+    if rules.skip_nonfinite:
+      nonfinite = token_weighting.is_bad_count(tokens) | (
+          unreduced_sums.any_device(~_all_finite(grads) & (tokens != 0),
+                                    rules.axis_name))
+    c = token_weighting.contribution(
+        tokens, rules.loss_reduction, drop=nonfinite | skipped)
+    grad_sum, token_count, nonfinite_count, skipped_count = sums
+    own = lambda x: jnp.where(
+        unreduced_sums.is_first_device(rules.axis_name), x, 0)
+    return (_add_to_sum(grad_sum, grads, c, cycle_start),
+            token_count + own(c.tokens),
+            nonfinite_count + own(nonfinite.astype(jnp.int32)),
+            skipped_count + own(skipped.astype(jnp.int32)))
+
+  sums = (state.grad_sum, state.token_count, state.nonfinite_count,
+          state.skipped_count)
+  grad_sum, token_count, nonfinite_count, skipped_count = (
+      unreduced_sums.run_local(
+          local, (updates, sums, tokens, skipped, state.micro_step == 0),
+          unreduced_sums.local_specs(sums),
+      ))
+  return _MicroStep(
+      grads=updates,
+      cycle=emitting.Cycle(grad_sum, token_count, None),
+      nonfinite_count=nonfinite_count,
+      skipped_count=skipped_count,
+  )
+
+
+def _skipped_unreduced(should_skip, updates, state, params):
+  """``should_skip`` on unreduced gradients, or an error saying why not."""
+  try:
+    return _skipped(should_skip, updates, state, params)
+  except (NotImplementedError, TypeError, ValueError) as e:
+    if "unreduced" not in str(e):
+      raise
+    raise ValueError(
+        "should_skip(grads, state, params) failed on unreduced gradients"
+        " (each device's partial; JAX allows little arithmetic on them):"
+        " decide from replicated values (the state's counts, the loss, a"
+        " flag), or use skip_nonfinite=True for non-finite gradients."
+        f" JAX said: {e}"
+    ) from e
+
+
 def _init_state(inner_state, params, accumulator_dtype, axis_name,
                 with_stats) -> AccumulateState:
   """The state before the first micro-step."""
@@ -191,15 +308,18 @@ def _init_state(inner_state, params, accumulator_dtype, axis_name,
       return jnp.zeros(shape, dtype)
     return partial_sums.partial_zeros(shape, dtype, axis_name)
 
+  def sum_zeros(param):
+    dtype = incoming_grads.sum_dtype(param, accumulator_dtype)
+    if axis_name is not None and partial_sums.slots_sharded_by_type(axis_name):
+      # Under a mesh with Explicit axes: slots sharded like the parameter,
+      # ready for unreduced gradients under jit (and for shard_map).
+      return unreduced_sums.slot_zeros(param, dtype, axis_name)
+    return partial_zeros(jnp.shape(param), dtype)
+
   return AccumulateState(
       micro_step=jnp.zeros([], jnp.int32),
       count=jnp.zeros([], jnp.int32),
-      grad_sum=jax.tree.map(
-          lambda p: partial_zeros(
-              jnp.shape(p), incoming_grads.sum_dtype(p, accumulator_dtype)
-          ),
-          params,
-      ),
+      grad_sum=jax.tree.map(sum_zeros, params),
       token_count=partial_zeros((), jnp.float32),
       inner_state=inner_state,
       emitted=jnp.zeros([], jnp.bool_),
@@ -261,6 +381,24 @@ def accumulate(
   :func:`jax.pmap`, with :func:`optax_accum.state_partition_specs` for the
   state's specs.
 
+  With ``axis_name`` under plain :func:`jax.jit` (no manual axis), the
+  gradients must be typed *unreduced* over the data axes, as
+  :func:`optax_accum.value_and_grad` ``(..., gradient_sync="deferred")``
+  returns them on a mesh with Explicit axes: each device's partial, whose sum
+  over the devices is the batch's gradient, and ``num_tokens`` the batch's
+  global token count. Each call adds the device's weighted partial to its
+  own slot, with no gradient-sized communication; the emitting call reduces
+  the slots once (PyTorch DDP's ``no_sync`` loop, one jit call per
+  micro-batch). Call ``tx.init(params)`` under ``jax.set_mesh(mesh)``: the
+  slots are then sharded over the data axes (those that do not shard a
+  parameter, FSDP/HSDP), an ordinary array that checkpoints save as they
+  are. The ``skip_nonfinite`` decision is global (one scalar reduction per
+  call); ``should_skip`` runs on the unreduced gradients, on which JAX
+  allows little arithmetic, so decide from replicated values;
+  ``with_stats`` is refused. A gradient that is already reduced is refused
+  (each device would count it), and so is an unreduced gradient given to
+  an ``accumulate`` without ``axis_name``.
+
   Args:
     inner: the optimizer to run on the accumulated gradient.
     every_k: micro-steps per optimizer update: a positive int, or a callable
@@ -269,7 +407,10 @@ def accumulate(
     loss_reduction: how each incoming gradient's loss was reduced over its
       ``num_tokens`` items: ``"mean"`` or ``"sum"``.
     accumulator_dtype: floating dtype of the running sum.
-    axis_name: data-parallel axis (or axes) to sum over on emit, or None.
+    axis_name: data-parallel axis (or axes) to sum over on emit, or None:
+      a manual axis (shard_map, pmap), or under jit the mesh axes the
+      gradients are unreduced over (the ``axis_name`` given to
+      ``value_and_grad``).
     skip_nonfinite: if True, a micro-step whose gradient (or ``num_tokens``)
       has a NaN or Inf, or whose ``num_tokens`` is negative, adds nothing,
       neither gradient nor tokens, but still counts as a micro-step of the
@@ -329,6 +470,8 @@ def accumulate(
   takes_extra_args = isinstance(inner, optax.GradientTransformationExtraArgs)
   inner = optax.with_extra_args_support(inner)
 
+  rules = _Rules(loss_reduction, axis_name, skip_nonfinite, should_skip)
+
   def init_fn(params):
     return _init_state(inner.init(params), params, accumulator_dtype,
                        axis_name, with_stats)
@@ -338,27 +481,24 @@ def accumulate(
     validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
     if extra_args and not takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
-    tokens = validation.as_token_count("num_tokens", num_tokens)
-    updates = incoming_grads.checked_grads(
-        updates, state.grad_sum, axis_name, num_tokens
-    )
-    drops = _drops(updates, tokens, state, params, skip_nonfinite, should_skip)
-    contribution = token_weighting.contribution(
-        tokens, loss_reduction, drop=drops.nonfinite | drops.skipped
-    )
-    cycle = _cycle_after(state, updates, contribution, loss_reduction)
+    deferred = unreduced_sums.is_deferred(axis_name)
+    if deferred and with_stats:
+      raise ValueError(_STATS_UNREDUCED)
+    add = _add_unreduced_microstep if deferred else _add_microstep
+    step = add(updates, state, params, num_tokens, rules)
     micro_step = optax.safe_increment(state.micro_step)
     emit = _should_emit(
-        emit, micro_step, _cycle_length(every_k, state.count), axis_name
+        emit, micro_step, _cycle_length(every_k, state.count),
+        None if deferred else axis_name,
     )
     emitter = emitting.emitter(
-        inner, axis_name, updates, state.inner_state, params, extra_args
+        inner, axis_name, step.grads, state.inner_state, params, extra_args
     )
     emitted = lax.cond(
-        emit, emitter.emit, emitter.skip, cycle, state.inner_state,
+        emit, emitter.emit, emitter.skip, step.cycle, state.inner_state,
         state.stats,
     )
-    new_state = _next_state(state, micro_step, emit, cycle, emitted, drops)
+    new_state = _next_state(state, micro_step, emit, step, emitted)
     return emitted.updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

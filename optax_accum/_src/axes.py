@@ -49,10 +49,10 @@ def check_bound(axis_name: AxisName) -> None:
     raise ValueError(
         f"axis_name={axis_name!r} is not bound here: optax_accum.accumulate"
         " sums device-local gradients over it, so call tx.update inside"
-        " jax.shard_map or jax.pmap over that axis. Under plain jax.jit the"
-        " gradients are already global: use axis_name=None, or"
-        " optax_accum.value_and_grad(..., axis_name=...) for one reduction"
-        " per step."
+        " jax.shard_map or jax.pmap over that axis, or under jax.jit with"
+        " jax.set_mesh(mesh) (Explicit axes) on unreduced gradients from"
+        " optax_accum.value_and_grad(..., gradient_sync='deferred'). Reduced"
+        " gradients under plain jax.jit need axis_name=None."
     )
 
 

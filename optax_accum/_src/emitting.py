@@ -1,7 +1,8 @@
 """The emitting branch of :func:`optax_accum.accumulate`.
 
 On the call that ends a cycle, the running sums of this device (and, with
-``axis_name``, of every device, in the one reduction per update) become the
+``axis_name``, of every device, in the one reduction per update: a psum
+inside shard_map, a reshard of per-device slots under jit) become the
 token-weighted mean that ``inner`` is run on; a cycle without tokens hands
 back zero updates instead and leaves ``inner``'s state alone. Every other
 call takes the skipping branch. Both are branches of a ``lax.cond`` that only
@@ -20,6 +21,7 @@ from optax_accum._src import axes
 from optax_accum._src import noise_scale
 from optax_accum._src import partial_sums
 from optax_accum._src import token_weighting
+from optax_accum._src import unreduced_sums
 
 
 class Cycle(NamedTuple):
@@ -64,10 +66,7 @@ class Emitter(NamedTuple):
     """The emitting branch."""
     del stats  # replaced by this cycle's.
     with jax.named_scope("optax_accum_emit"):
-      if self.axis_name is not None:
-        # The one reduction over devices per optimizer update.
-        cycle = partial_sums.sum_partials(cycle, self.axis_name)
-        cycle = cycle._replace(token_count=cycle.token_count.reshape(()))
+      cycle = _reduced(cycle, self.axis_name)
       updated = token_weighting.has_tokens(cycle.token_count)
       updates, inner_state = lax.cond(
           updated, self.run_inner, self.skip_inner, cycle.grad_sum,
@@ -80,6 +79,21 @@ class Emitter(NamedTuple):
         cycle.grad_sum, cycle.token_count, inner_state
     )
     return Emitted(updates, inner_state, jnp.bool_(False), stats)
+
+
+def _reduced(cycle: Cycle, axis_name: axes.AxisName | None) -> Cycle:
+  """The cycle's sums over every device: the one reduction per update."""
+  if axis_name is None:
+    return cycle
+  if unreduced_sums.is_deferred(axis_name):
+    # Under jit: each leaf's slots resharded like its parameter.
+    return Cycle(
+        grad_sum=jax.tree.map(unreduced_sums.sum_slots, cycle.grad_sum),
+        token_count=jnp.sum(cycle.token_count),
+        stats_sums=None,
+    )
+  cycle = partial_sums.sum_partials(cycle, axis_name)
+  return cycle._replace(token_count=cycle.token_count.reshape(()))
 
 
 def _stats_of(cycle: Cycle) -> noise_scale.GradStats | None:
@@ -96,11 +110,12 @@ def _stats_of(cycle: Cycle) -> noise_scale.GradStats | None:
 
 def emitter(inner, axis_name, grads, inner_state, params, extra_args):
   """The :class:`Emitter` of one ``update`` call."""
+  if unreduced_sums.is_deferred(axis_name):
+    summed = unreduced_sums.summed_like(grads)
+  else:
+    summed = partial_sums.like_summed(grads, axis_name)
   like_updates = jax.eval_shape(
-      lambda s: inner.update(
-          partial_sums.like_summed(grads, axis_name), s, params,
-          **extra_args,
-      )[0],
+      lambda g, s: inner.update(g, s, params, **extra_args)[0], summed,
       inner_state,
   )
   return Emitter(inner, axis_name, params, extra_args, grads, like_updates)

@@ -36,22 +36,24 @@ from optax_accum._src import token_weighting
 
 ONCE = "once"
 EVERY_MICROBATCH = "every_microbatch"
+DEFERRED = "deferred"  # gradient_sync only: see :func:`finish`.
 CHOICES = (ONCE, EVERY_MICROBATCH)
 
 
 class Policy(NamedTuple):
   """Where a data-parallel loop gathers parameters and syncs gradients."""
 
-  gradient_sync: str = ONCE  # "once" or "every_microbatch".
+  gradient_sync: str = ONCE  # "once", "every_microbatch" or "deferred".
   gather_params: str = ONCE  # "once" or "every_microbatch".
 
 
 def policy(gradient_sync: Any, gather_params: Any) -> Policy:
   """A checked :class:`Policy`, or an error naming the bad argument."""
-  for name, value in (("gradient_sync", gradient_sync),
-                      ("gather_params", gather_params)):
-    if not isinstance(value, str) or value not in CHOICES:
-      raise ValueError(f"{name} must be one of {CHOICES}, got {value!r}.")
+  for name, value, choices in (
+      ("gradient_sync", gradient_sync, CHOICES + (DEFERRED,)),
+      ("gather_params", gather_params, CHOICES)):
+    if not isinstance(value, str) or value not in choices:
+      raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
   return Policy(gradient_sync, gather_params)
 
 
@@ -103,10 +105,15 @@ class Layout(NamedTuple):
 
 
 def layout(specs: Any, axis_name: axes.AxisName, chosen: Policy) -> Layout:
-  """A :class:`Layout`; without sharded parameters every policy is "once"."""
+  """A :class:`Layout`; without sharded parameters every policy is "once".
+
+  "deferred" is kept: it says where the data-parallel reduction happens
+  (not in this call), which matters with or without sharded parameters.
+  """
   if not any(_is_sharded(s) for s in jax.tree.leaves(
       specs, is_leaf=lambda x: isinstance(x, P))):
-    chosen = Policy()
+    deferred = chosen.gradient_sync == DEFERRED
+    chosen = Policy(gradient_sync=DEFERRED if deferred else ONCE)
   return Layout(specs, axis_name, chosen)
 
 
@@ -204,10 +211,17 @@ def add_grads(lay: Layout, total: Any, grads: Any,
 def finish(lay: Layout, total: Any, extra: Any) -> tuple[Any, Any]:
   """Sums the loop's gradient sum (and ``extra``) over the axis, once.
 
+  Under ``gradient_sync="deferred"`` the gradient sums are only
+  reduce-scattered over the axes that shard their parameters and stay this
+  device's partials over the other data axes (to be typed unreduced there);
+  ``extra`` (loss, token count, aux, scalars) is summed all the same.
+
   Returns ``(gradient sums sharded like the parameters, summed extra)``.
   """
-  if lay.policy.gradient_sync == ONCE:
-    return sharding.sum_into_shards(total, lay.specs, extra, lay.axis_name)
+  if lay.policy.gradient_sync in (ONCE, DEFERRED):
+    return sharding.sum_into_shards(
+        total, lay.specs, extra, lay.axis_name,
+        keep_unreduced=lay.policy.gradient_sync == DEFERRED)
   leaves, treedef = jax.tree.flatten(total)
   specs = treedef.flatten_up_to(lay.specs)
   whole = [i for i, s in enumerate(specs) if not _is_sharded(s)]

@@ -9,6 +9,7 @@ sum and its mean keep the parameters' kind of number.
 import jax
 import jax.numpy as jnp
 
+from optax_accum._src import unreduced_sums
 from optax_accum._src import validation
 
 
@@ -19,11 +20,51 @@ def checked_grads(updates, grad_sum, axis_name, num_tokens):
   ``num_tokens=0``) is never looked at, so its zeros need not be
   device-local.
   """
-  no_tokens = num_tokens is not None and not isinstance(
-      num_tokens, jax.core.Tracer) and float(num_tokens) == 0
   updates = validation.check_grads(updates, grad_sum, axis_name,
-                                   check_local=not no_tokens)
+                                   check_local=not _no_tokens(num_tokens))
+  _refuse_unreduced(updates, axis_name)
   return as_inexact(updates, grad_sum)
+
+
+def checked_partials(updates, grad_sum, axis_name, num_tokens):
+  """Unreduced gradients under jit (each device's partial), checked.
+
+  Each leaf must be unreduced over the axes of its per-device slots; see
+  :func:`unreduced_sums.check_grads`.
+  """
+  expected = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(jnp.shape(s)[1:], s.dtype), grad_sum
+  )
+  validation.check_same_structure(
+      "updates", updates, expected, "the params the state was built for"
+  )
+  updates = jax.tree.map(jnp.asarray, updates)
+  unreduced_sums.check_grads(updates, grad_sum, axis_name,
+                             looked_at=not _no_tokens(num_tokens))
+  return as_inexact(updates, grad_sum)
+
+
+def _no_tokens(num_tokens):
+  """Whether the micro-step is known at trace time to have no tokens."""
+  return num_tokens is not None and not isinstance(
+      num_tokens, jax.core.Tracer) and float(num_tokens) == 0
+
+
+def _refuse_unreduced(updates, axis_name):
+  """Unreduced gradients need per-device sums: accumulate(axis_name=...)."""
+  for path, g in jax.tree_util.tree_leaves_with_path(updates):
+    over = unreduced_sums.unreduced_axes(g)
+    if over:
+      hint = sorted(over)[0] if len(over) == 1 else tuple(sorted(over))
+      raise ValueError(
+          f"updates{jax.tree_util.keystr(path)} is unreduced over"
+          f" {sorted(over)} (typed {jax.typeof(g)}), but this accumulate"
+          f" was built with axis_name={axis_name!r}, which would have to"
+          " reduce it on every call. Build it with"
+          f" optax_accum.accumulate(..., axis_name={hint!r}) under jax.jit"
+          " to reduce once per update, or reduce the gradient first with"
+          " jax.sharding.reshard(g, P())."
+      )
 
 
 def sum_dtype(param, accumulator_dtype):

@@ -40,6 +40,13 @@ def partial_zeros(shape: Sequence[int], dtype: Any, axis_name: axes.AxisName):
   return lax.with_sharding_constraint(jnp.zeros((slots,) + shape, dtype), spec)
 
 
+def slots_sharded_by_type(axis_name: axes.AxisName) -> bool:
+  """Whether :func:`partial_zeros` lays slots out over Explicit mesh axes."""
+  return (not axes.is_bound(axis_name)
+          and axes.mesh_axis_size(axis_name) is not None
+          and axes.all_explicit(axis_name))
+
+
 def sum_partials(tree: Any, axis_name: axes.AxisName) -> Any:
   """Sums per-device partial sums (with a leading slot axis) over an axis."""
   axes.check_bound(axis_name)

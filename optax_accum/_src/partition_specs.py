@@ -8,7 +8,25 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import accumulate as accumulate_lib
 from optax_accum._src import axes
+from optax_accum._src import sharding
 from optax_accum._src import state_lookup
+
+
+def _slot_spec(param_spec: P, slots: Any, slot: axes.AxisName,
+               from_type: bool) -> P:
+  """A running sum's spec: its slot axis, then its parameter's spec.
+
+  A sum made under a mesh with Explicit axes carries its spec in its type
+  (for a parameter sharded over some data axes, FSDP/HSDP, its slots span
+  only the others): without ``param_specs``, that spec is the answer.
+  """
+  typed = sharding.explicit_spec(slots) if from_type else None
+  if typed is None:
+    return P(slot, *param_spec)
+  entries = list(typed)
+  while entries and entries[-1] is None:  # as P(...) writes it.
+    entries.pop()
+  return P(*entries)
 
 
 def state_partition_specs(
@@ -32,7 +50,10 @@ def state_partition_specs(
   ``tx.init(params)`` called under ``jax.set_mesh(mesh)``, outside the
   shard_map, makes the state with one slot per device of ``axis_name``,
   already sharded as these specs say; called inside the shard_map it makes
-  this device's one slot.
+  this device's one slot. The same state serves ``tx.update`` under plain
+  :func:`jax.jit` on unreduced gradients (``gradient_sync="deferred"``);
+  there, with Explicit axes, a sum's slots span only the data axes that do
+  not shard its parameter, and its spec is read off its type.
 
   Args:
     state: an optimizer state containing an :class:`AccumulateState` (or
@@ -106,8 +127,8 @@ def state_partition_specs(
         for name, value in node._asdict().items()
     }
     fields["grad_sum"] = jax.tree.map(
-        lambda spec: P(slot, *spec), param_tree,
-        is_leaf=lambda x: isinstance(x, P),
+        lambda spec, s: _slot_spec(spec, s, slot, param_specs is None),
+        param_tree, node.grad_sum, is_leaf=lambda x: isinstance(x, P),
     )
     for name in accumulate_lib.PER_DEVICE_COUNTS:
       fields[name] = jax.tree.map(

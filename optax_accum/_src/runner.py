@@ -33,6 +33,7 @@ from optax_accum._src import noise_scale
 from optax_accum._src import partial_sums
 from optax_accum._src import sharding
 from optax_accum._src import stages
+from optax_accum._src import unreduced_sums
 
 
 class Settings(NamedTuple):
@@ -158,14 +159,20 @@ def over_mesh(program: stages.Program, settings: Settings, params: Any,
         stacked=_stack_over_devices(program, result.aux.stacked))
     return result._replace(aux=aux)
 
+  grad_specs, manual = param_specs, set(axes.axes_of(axis_name))
+  if settings.policy.gradient_sync == fsdp.DEFERRED:
+    # Typed unreduced over the data axes that do not shard a parameter.
+    unreduced_sums.check_mesh(axis_name)
+    grad_specs = unreduced_sums.grad_specs(param_specs, axis_name)
+    manual = set(jax.sharding.get_abstract_mesh().axis_names)
   stacked_spec = P(*([None] * program.aux_axis), axis_name)
   out_specs = stages.Result(
-      loss=P(), grads=param_specs, model_state=P(),
+      loss=P(), grads=grad_specs, model_state=P(),
       aux=aux_reduction.Parts(stacked_spec, P()), stats=P())
   sharded = jax.shard_map(
       body,
       in_specs=(param_specs, batch_specs, P()),
       out_specs=out_specs,
-      axis_names=set(axes.axes_of(axis_name)),
+      axis_names=manual,
   )
   return sharded(params, batch, replicated)

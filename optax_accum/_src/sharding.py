@@ -32,7 +32,7 @@ def explicit_spec(x: Any) -> P | None:
   return None
 
 
-def _entry(names: tuple[str, ...]) -> Any:
+def entry(names: tuple[str, ...]) -> Any:
   """A spec entry for ``names``: None, one name, or a tuple of names."""
   return None if not names else names[0] if len(names) == 1 else names
 
@@ -41,7 +41,7 @@ def restrict(spec: P, axis_name: axes.AxisName) -> P:
   """The part of ``spec`` over ``axis_name``; other mesh axes are dropped."""
   wanted = set(axes.axes_of(axis_name))
   entries = [
-      _entry(tuple(n for n in axes.axes_of(e) if n is not None and n in wanted))
+      entry(tuple(n for n in axes.axes_of(e) if n is not None and n in wanted))
       for e in spec
   ]
   while entries and entries[-1] is None:
@@ -68,7 +68,7 @@ def sharded_dims(spec: P) -> list[tuple[int, tuple[str, ...]]]:
 def gather(x: Any, spec: P) -> Any:
   """The whole array from this device's shard of it, laid out by ``spec``."""
   for dim, dim_axes in sharded_dims(spec):
-    x = lax.all_gather(x, _entry(dim_axes), axis=dim, tiled=True)
+    x = lax.all_gather(x, entry(dim_axes), axis=dim, tiled=True)
   return x
 
 
@@ -107,20 +107,24 @@ def scatter(leaf: Any, spec: P) -> tuple[Any, set[str]]:
   for dim, dim_axes in sharded_dims(spec):
     leaf = blockwise(
         lambda x, dim=dim, dim_axes=dim_axes: lax.psum_scatter(
-            x, _entry(dim_axes), scatter_dimension=dim, tiled=True),
+            x, entry(dim_axes), scatter_dimension=dim, tiled=True),
         leaf)
     used.update(dim_axes)
   return leaf, used
 
 
 def sum_into_shards(
-    tree: Any, specs: Any, extra: Any, axis_name: axes.AxisName
+    tree: Any, specs: Any, extra: Any, axis_name: axes.AxisName,
+    keep_unreduced: bool = False,
 ) -> tuple[Any, Any]:
   """Sums ``tree`` over ``axis_name``, each leaf into its shard by ``specs``.
 
   A leaf whose spec shards it over the axis is reduce-scattered (each device
   keeps the sum of its own shard); the others, and ``extra``, are all-reduced
-  together, in one collective.
+  together, in one collective. With ``keep_unreduced`` (deferred gradient
+  sync) the leaves are only reduce-scattered over the axes that shard them
+  and left unsummed over the rest: each device keeps its partial, to be
+  typed unreduced over those axes; ``extra`` is still summed.
 
   Returns:
     ``(summed tree, summed extra)``.
@@ -131,6 +135,9 @@ def sum_into_shards(
   out = [None] * len(leaves)
   for i, (leaf, spec) in enumerate(zip(leaves, spec_leaves)):
     leaf, used = scatter(leaf, spec)
+    if keep_unreduced:
+      out[i] = leaf
+      continue
     if not used:
       to_psum.append(i)
       continue
@@ -174,7 +181,7 @@ def laid_out_over(x: Any, axis_name: axes.AxisName, split: int | None) -> Any:
   dropped = set(axes.axes_of(axis_name))
   entries = list(spec) + [None] * (jnp.ndim(x) - len(spec))
   kept = [
-      _entry(tuple(n for n in axes.axes_of(e) if n is not None
+      entry(tuple(n for n in axes.axes_of(e) if n is not None
                    and n not in dropped))
       for e in entries
   ]

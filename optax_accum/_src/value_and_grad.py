@@ -16,6 +16,20 @@ from optax_accum._src import runner
 from optax_accum._src import validation
 
 
+def _check_deferred(opts: loop_lib.Options) -> None:
+  """``gradient_sync="deferred"`` needs an axis and leaves no norm to take."""
+  if opts.axis_name is None:
+    raise ValueError(
+        "gradient_sync='deferred' leaves the gradient unreduced over"
+        " axis_name, but axis_name is None: give the data-parallel axis."
+    )
+  if opts.with_stats:
+    raise ValueError(
+        "with_stats=True needs the reduced gradient's norm, which"
+        " gradient_sync='deferred' does not compute: use one or the other."
+    )
+
+
 def value_and_grad(
     loss_fn: Callable[..., Any],
     *,
@@ -135,6 +149,15 @@ def value_and_grad(
       each micro-batch's gradient into a sum sharded like the parameters (in
       ``accumulator_dtype``): 1/N of the gradient memory, ``k`` times the
       reduce-scatters. Replicated parameters are summed once either way.
+      ``"deferred"`` sums nothing over the axis but scalars: the gradient
+      comes back as each device's partial (reduce-scattered over the axes
+      that shard its parameter), typed unreduced over the other data axes
+      under jit (``P("fsdp", unreduced={"replica"})``; Explicit axes
+      spanning the whole mesh), device-local inside shard_map; its sum over
+      the devices is the batch's gradient. Hand it to
+      :func:`optax_accum.accumulate` ``(..., axis_name=...)``, which reduces
+      once per update: one jit call per micro-batch, like PyTorch DDP's
+      ``no_sync``. The loss comes back reduced; ``with_stats`` is refused.
     gather_params: for parameters sharded over ``axis_name``, ``"once"``
       all-gathers them before the loop and holds them whole through it;
       ``"every_microbatch"`` holds the shards and all-gathers them inside the
@@ -211,6 +234,9 @@ def value_and_grad(
   )
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
+  deferred = opts.fsdp_policy.gradient_sync == fsdp.DEFERRED
+  if deferred:
+    _check_deferred(opts)
   loss = loss_signature.normalize(loss_fn, opts.has_aux, opts.has_state)
   program = loop_lib.program(loss, opts)
   settings = runner.Settings(

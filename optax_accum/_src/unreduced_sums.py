@@ -1,0 +1,258 @@
+"""Unreduced gradients under jit: one reduction per update across jit calls.
+
+With one jit call per micro-batch (PyTorch DDP's ``no_sync`` loop), a
+gradient typed *unreduced* over the data axes (``float32[...]{U:data}``,
+:func:`optax_accum.value_and_grad` with ``gradient_sync="deferred"``) holds
+each device's partial: summed over the devices it is the batch's gradient.
+:func:`optax_accum.accumulate` built with ``axis_name`` keeps such partials in
+its per-device slots (the layout of :mod:`partial_sums`, so that the state is
+an ordinary sharded array that checkpoints and
+:func:`optax_accum.state_partition_specs` handle) and reduces them once, in
+the emitting branch.
+
+JAX refuses most arithmetic on unreduced arrays (a product with a replicated
+scalar, ``isfinite``, ``where``), so the micro-step's local arithmetic runs
+in a :func:`jax.shard_map` over the data axes, where each device sees its own
+partial as a plain array. Moving a partial between the unreduced type and a
+slot is free; the reduction is :func:`jax.sharding.reshard` to the
+parameters' sharding.
+
+A parameter sharded over some of the data axes (FSDP, HSDP) gets its
+gradient reduce-scattered over those axes each call; its slots span only the
+remaining data axes (:func:`slot_axes`).
+"""
+
+import math
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._src import axes
+from optax_accum._src import sharding
+
+# The oldest jax whose unreduced types this module was tested with.
+MIN_JAX = "0.9.1"
+
+
+def check_supported(what: str) -> None:
+  """Raises unless this jax has unreduced sharding types."""
+  if (not hasattr(P(), "unreduced")
+      or not hasattr(jax.sharding, "reshard")):
+    raise NotImplementedError(
+        f"{what} needs unreduced sharding types"
+        f" (PartitionSpec(unreduced=...), jax.sharding.reshard): jax >="
+        f" {MIN_JAX}, got jax {jax.__version__}."
+    )
+
+
+def check_mesh(axis_name: axes.AxisName) -> None:
+  """Under jit, only a mesh of Explicit axes can type a gradient unreduced.
+
+  JAX types a shard_map's outputs unreduced only when every mesh axis of
+  size over one is manual, so ``axis_name`` must span them all.
+  """
+  check_supported("gradient_sync='deferred'")
+  mesh = jax.sharding.get_abstract_mesh()
+  if not axes.all_explicit(axis_name):
+    raise ValueError(
+        f"gradient_sync='deferred' returns the gradient typed unreduced over"
+        f" axis_name={axis_name!r}, which needs AxisType.Explicit mesh axes;"
+        f" the current mesh is {mesh}. Make the mesh with"
+        " jax.make_mesh(..., axis_types=(AxisType.Explicit, ...)), or use"
+        " gradient_sync='once'."
+    )
+  others = sorted(
+      name for name, size in zip(mesh.axis_names, mesh.axis_sizes)
+      if size > 1 and name not in axes.axes_of(axis_name))
+  if others:
+    raise ValueError(
+        f"gradient_sync='deferred' needs axis_name={axis_name!r} to span"
+        f" every axis of the mesh (JAX types a shard_map's outputs unreduced"
+        f" only when all mesh axes are manual), but {others} is not"
+        " in it. Use gradient_sync='once' on meshes with model axes."
+    )
+
+
+def grad_specs(param_specs: Any, axis_name: axes.AxisName) -> Any:
+  """The deferred gradients' specs: unreduced over their slot axes."""
+  return jax.tree.map(
+      lambda s: P(*s, unreduced=set(slot_axes(s, axis_name))),
+      param_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def unreduced_axes(x: Any) -> frozenset[str]:
+  """The mesh axes over which ``x``'s type says it is unreduced."""
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  spec = getattr(getattr(aval, "sharding", None), "spec", None)
+  return frozenset(getattr(spec, "unreduced", ()))
+
+
+def any_unreduced(tree: Any) -> bool:
+  return any(unreduced_axes(x) for x in jax.tree.leaves(tree))
+
+
+def is_deferred(axis_name: axes.AxisName | None) -> bool:
+  """Whether ``accumulate(axis_name=...)`` runs under jit, not shard_map."""
+  return axis_name is not None and not axes.is_bound(axis_name)
+
+
+def slot_axes(param_spec: P | None,
+              axis_name: axes.AxisName) -> tuple[str, ...]:
+  """The data axes a parameter's gradient stays unreduced over.
+
+  Those of ``axis_name`` that do not shard the parameter: over the others
+  its gradient is reduce-scattered on every call.
+  """
+  used = set()
+  for entry in param_spec or ():
+    used.update(axes.axes_of(entry) if entry is not None else ())
+  return tuple(a for a in axes.axes_of(axis_name) if a not in used)
+
+
+def slot_zeros(param: Any, dtype: Any, axis_name: axes.AxisName) -> Any:
+  """A parameter's per-device slots under a mesh, sharded like it.
+
+  The leading slot axis spans :func:`slot_axes`; the other dimensions keep
+  the parameter's (Explicit) sharding.
+  """
+  spec = sharding.explicit_spec(param) or P()
+  over = slot_axes(spec, axis_name)
+  sizes = dict(jax.sharding.get_abstract_mesh().shape)
+  slots = math.prod(sizes[a] for a in over)
+  entries = list(spec) + [None] * (jnp.ndim(param) - len(spec))
+  return jnp.zeros(
+      (slots,) + jnp.shape(param), dtype,
+      out_sharding=P(sharding.entry(over), *entries),
+  )
+
+
+def _slot_spec(slots: Any) -> P:
+  """The spec of a slot-holding state leaf, from its type."""
+  spec = sharding.explicit_spec(slots)
+  if spec is None or (spec[0] is None and jnp.shape(slots)[0] != 1):
+    raise ValueError(
+        "The state's running sums are not laid out one slot per device:"
+        " call tx.init(params) under jax.set_mesh(mesh) with Explicit axes"
+        " (and, for sharded parameters, on parameters carrying their"
+        f" sharding), got a sum typed {jax.typeof(slots)}."
+    )
+  return spec
+
+
+def _partitions(spec: P) -> tuple[Any, ...]:
+  """A spec's entries (``*spec`` is refused once it has unreduced axes)."""
+  return tuple(getattr(spec, "partitions", None)
+               or getattr(spec, "_partitions", ()))
+
+
+def _full_spec(x: Any) -> P:
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  spec = getattr(getattr(aval, "sharding", None), "spec", None)
+  return P() if spec is None else spec
+
+
+def check_grads(grads: Any, grad_sum: Any, axis_name: axes.AxisName,
+                looked_at: bool) -> None:
+  """Each gradient must be unreduced over exactly its slots' axes.
+
+  A gradient that is already reduced (replicated) would be added on every
+  device, counted once per device: refused. ``looked_at`` is False for a
+  flush (``num_tokens=0``), whose zeros are never added.
+  """
+  check_supported("accumulate(axis_name=...) under jax.jit")
+  if (axes.mesh_axis_size(axis_name) is None
+      or not axes.all_explicit(axis_name)):
+    axes.check_bound(axis_name)  # raises, saying where it works.
+  flat = jax.tree_util.tree_leaves_with_path(grads)
+  for (path, g), s in zip(flat, jax.tree.leaves(grad_sum)):
+    spec = _slot_spec(s)
+    want = frozenset(axes.axes_of(spec[0]) if spec[0] is not None else ())
+    have = unreduced_axes(g)
+    if have == want or (not looked_at and not have):
+      continue
+    where = f"updates{jax.tree_util.keystr(path)}"
+    if not have:
+      raise ValueError(
+          f"{where} is not unreduced over {sorted(want)} (its type is"
+          f" {jax.typeof(g)}): under jax.jit, accumulate(axis_name="
+          f"{axis_name!r}) takes per-device partial gradients, and would"
+          " count an already reduced gradient once per device. Take the"
+          " gradient with optax_accum.value_and_grad(..., axis_name="
+          f"{axis_name!r}, gradient_sync='deferred'), call tx.update inside"
+          " jax.shard_map on device-local gradients, or build accumulate"
+          " with axis_name=None for reduced gradients."
+      )
+    raise ValueError(
+        f"{where} is unreduced over {sorted(have)}, but the state keeps its"
+        f" per-device sums over {sorted(want)} (accumulate(axis_name="
+        f"{axis_name!r}) and the parameter's sharding): give accumulate the"
+        " axis_name that value_and_grad's gradient_sync='deferred' used."
+    )
+
+
+def summed_like(grads: Any) -> Any:
+  """``grads`` once reduced: their shapes, typed without ``unreduced``."""
+  return jax.tree.map(
+      lambda g: jax.ShapeDtypeStruct(
+          jnp.shape(g), jnp.result_type(g),
+          sharding=P(*_partitions(_full_spec(g)))),
+      grads,
+  )
+
+
+def run_local(fn: Any, args: tuple[Any, ...], out_specs: Any) -> Any:
+  """Runs ``fn(*args)`` on each device's own blocks, in a shard_map.
+
+  Each argument leaf is split as its type says: an unreduced one arrives as
+  the device's partial, a slot-holding one as the device's slot. Every mesh
+  axis is manual (JAX takes unreduced specs only so), and types are not
+  checked inside (``check_vma=False``): a partial is neither invariant nor
+  varying to JAX's checker.
+  """
+  return jax.shard_map(
+      fn, in_specs=local_specs(args), out_specs=out_specs,
+      axis_names=set(jax.sharding.get_abstract_mesh().axis_names),
+      check_vma=False,
+  )(*args)
+
+
+def local_specs(tree: Any) -> Any:
+  """The specs of a tree's leaves, read off their types, for shard_map."""
+  return jax.tree.map(_full_spec, tree)
+
+
+def is_first_device(axis_name: axes.AxisName) -> jax.Array:
+  """Inside :func:`run_local`: whether this is device 0 of the data axes.
+
+  Counts that are the same on every device (the global token count, a
+  global drop) go into device 0's slot only, so that the sum over the slots
+  counts them once.
+  """
+  return lax.axis_index(axes.axes_of(axis_name)) == 0
+
+
+def any_device(flag: jax.Array, axis_name: axes.AxisName) -> jax.Array:
+  """Inside :func:`run_local`: whether ``flag`` holds on any device."""
+  return lax.psum(flag.astype(jnp.int32), axes.axes_of(axis_name)) > 0
+
+
+def sum_slots(slots: Any) -> Any:
+  """The sum over a leaf's slots, sharded like its parameter.
+
+  Viewing the slots as one unreduced array is free; the reshard to the
+  parameter's sharding is the reduction (an all-reduce, or nothing for a
+  parameter sharded over every data axis).
+  """
+  spec = _slot_spec(slots)
+  over = frozenset(axes.axes_of(spec[0]) if spec[0] is not None else ())
+  rest = P(*spec[1:])
+  if not over:
+    return slots.reshape(slots.shape[1:])
+  unreduced = run_local(
+      lambda s: s.reshape(s.shape[1:]), (slots,),
+      P(*_partitions(rest), unreduced=over),
+  )
+  return jax.sharding.reshard(unreduced, rest)
