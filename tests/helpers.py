@@ -225,7 +225,9 @@ def loop_collectives_by_axes(compiled, mesh_shape, axis_names) -> dict:
 
   ``op`` is "all-reduce", "reduce-scatter" or "all-gather"; the mesh axes
   are those along which a device group spans, device ``i`` of the program
-  being the mesh's ``i``-th device in row-major order.
+  being the mesh's ``i``-th device in row-major order. (What
+  ``oa.count_collectives(compiled, mesh=mesh).by_axes`` will say, read
+  independently.)
   """
   computations, current = {}, None
   for line in compiled.as_text().splitlines():
