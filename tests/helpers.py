@@ -12,7 +12,9 @@
 """
 
 import argparse
+import collections
 import importlib
+import itertools
 import pathlib
 import re
 import sys
@@ -202,3 +204,123 @@ def run_markdown_snippets(path, min_blocks: int = 1) -> dict:
   for block in blocks:
     exec(block, namespace)  # pylint: disable=exec-used
   return namespace
+
+
+# Pairwise covering.
+
+
+def pairwise_cover(dimensions: dict, allowed) -> list[dict]:
+  """A small set of cells covering every allowed pair of values, greedily.
+
+  Args:
+    dimensions: ``{name: values}``, in order.
+    allowed: ``allowed(cell) -> bool`` for a full cell ``{name: value}``.
+
+  Returns:
+    Cells (dicts) such that every pair of values of two dimensions that some
+    allowed cell holds is held by one of them. Deterministic: the cell that
+    covers the most uncovered pairs is taken first, the earliest in the
+    product order on ties.
+  """
+  names = list(dimensions)
+  cells = [
+      dict(zip(names, values))
+      for values in itertools.product(*dimensions.values())
+  ]
+  cells = [c for c in cells if allowed(c)]
+
+  def pairs(cell):
+    return frozenset(
+        ((a, cell[a]), (b, cell[b]))
+        for a, b in itertools.combinations(names, 2)
+    )
+
+  cell_pairs = [pairs(c) for c in cells]
+  uncovered = set().union(*cell_pairs)
+  chosen = []
+  while uncovered:
+    best = max(range(len(cells)),
+               key=lambda i: (len(cell_pairs[i] & uncovered), -i))
+    chosen.append(cells[best])
+    uncovered -= cell_pairs[best]
+  return chosen
+
+
+# Collectives by mesh axes, read off the replica groups of compiled HLO.
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+_CALLS = re.compile(
+    r"\b(body|condition|to_apply|calls|branch_computations)="
+    r"(\{[^}]*\}|%?[^\s,)]+)")
+_GROUP_OPS = re.compile(
+    r"\b(all-reduce|reduce-scatter|all-gather)(?:-start)?\(")
+_IOTA_GROUPS = re.compile(
+    r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+
+
+def _replica_groups(line: str, num_devices: int) -> list[list[int]]:
+  match = _IOTA_GROUPS.search(line)
+  if match:
+    shape = [int(n) for n in match.group(1).split(",")]
+    ids = np.arange(num_devices).reshape(
+        [int(n) for n in match.group(2).split(",")])
+    if match.group(3):
+      ids = ids.transpose([int(n) for n in match.group(3).split(",")])
+    return ids.reshape(shape).tolist()
+  match = _LIST_GROUPS.search(line)
+  if match is None or not match.group(1):
+    return [list(range(num_devices))]  # {} or none: every device.
+  return [[int(n) for n in g.split(",") if n]
+          for g in re.findall(r"\{([\d,]*)\}", match.group(1))]
+
+
+def _spanned_axes(group, mesh_shape, axis_names) -> tuple[str, ...]:
+  coords = np.array(np.unravel_index(group, mesh_shape)).T
+  return tuple(name for i, name in enumerate(axis_names)
+               if len(set(coords[:, i])) > 1)
+
+
+def loop_collectives_by_axes(compiled, mesh_shape, axis_names) -> dict:
+  """``{(op, spanned mesh axes): count}`` of the collectives in while loops.
+
+  ``op`` is "all-reduce", "reduce-scatter" or "all-gather"; the mesh axes
+  are those along which a device group spans, device ``i`` of the program
+  being the mesh's ``i``-th device in row-major order. (What
+  ``oa.count_collectives(compiled, mesh=mesh).by_axes`` will say, read
+  independently.)
+  """
+  computations, current = {}, None
+  for line in compiled.as_text().splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = computations.setdefault(header.group(2), [])
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      current.append(line)
+  in_loop, todo = set(), []
+  for lines in computations.values():
+    for line in lines:
+      if " while(" in line:
+        todo += [c.lstrip("%") for k, c in _CALLS.findall(line)
+                 if k == "body"]
+  while todo:
+    name = todo.pop()
+    if name in in_loop or name not in computations:
+      continue
+    in_loop.add(name)
+    for line in computations[name]:
+      for _, called in _CALLS.findall(line):
+        todo += [c.strip().lstrip("%") for c in called.strip("{}").split(",")]
+  counts = collections.Counter()
+  num_devices = int(np.prod(mesh_shape))
+  for name in in_loop:
+    for line in computations[name]:
+      op = _GROUP_OPS.search(line.split("=", 1)[-1])
+      if op is None:
+        continue
+      for group in _replica_groups(line, num_devices)[:1]:
+        counts[op.group(1), _spanned_axes(group, mesh_shape,
+                                          axis_names)] += 1
+  return dict(counts)

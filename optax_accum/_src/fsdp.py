@@ -231,8 +231,10 @@ def finish(lay: Layout, total: Any, extra: Any) -> tuple[Any, Any]:
       continue
     used = {a for _, dim_axes in sharding.sharded_dims(spec) for a in dim_axes}
     rest = tuple(a for a in axes.axes_of(lay.axis_name) if a not in used)
-    out[i] = lax.psum(leaf, rest) if rest else leaf  # already summed over used.
-  summed, extra = lax.psum(([leaves[i] for i in whole], extra), lay.axis_name)
+    # Already summed over the axes it is sharded over.
+    out[i] = sharding.psum(leaf, rest) if rest else leaf
+  summed, extra = sharding.psum(([leaves[i] for i in whole], extra),
+                                lay.axis_name)
   for i, leaf in zip(whole, summed):
     out[i] = leaf
   return treedef.unflatten(out), extra

@@ -101,6 +101,29 @@ def blockwise(fn: Any, x: Any) -> Any:
                        axis_names=names)(x)
 
 
+def psum(tree: Any, axis_name: axes.AxisName) -> Any:
+  """:func:`jax.lax.psum` over ``axis_name``, safe on manual axes of size 1.
+
+  In a partially manual program XLA cannot partition an all-reduce over a
+  manual axis of size 1 whose operand is sharded over another, Explicit mesh
+  axis (``RET_CHECK failure ... Cross-partition allreduce must be in
+  (partial) manual partitioning mode``). The sum over such an axis moves no
+  data, but it makes the value the same on every device of it (its type
+  says so): it is taken leaf by leaf on the local blocks
+  (:func:`blockwise`), which XLA compiles. Axes of more than one device are
+  summed over in one collective, as :func:`jax.lax.psum` does.
+  """
+  names = axes.axes_of(axis_name)
+  trivial = tuple(a for a in names if lax.axis_size(a) == 1)
+  active = tuple(a for a in names if a not in trivial)
+  if active:
+    tree = lax.psum(tree, active)
+  if trivial:
+    tree = jax.tree.map(
+        lambda x: blockwise(lambda y: lax.psum(y, trivial), x), tree)
+  return tree
+
+
 def scatter(leaf: Any, spec: P) -> tuple[Any, set[str]]:
   """Reduce-scatters ``leaf`` into its shard; returns it and the axes used."""
   used = set()
@@ -142,8 +165,8 @@ def sum_into_shards(
       to_psum.append(i)
       continue
     rest = tuple(a for a in axes.axes_of(axis_name) if a not in used)
-    out[i] = lax.psum(leaf, rest) if rest else leaf
-  summed, extra = lax.psum(([leaves[i] for i in to_psum], extra), axis_name)
+    out[i] = psum(leaf, rest) if rest else leaf
+  summed, extra = psum(([leaves[i] for i in to_psum], extra), axis_name)
   for i, leaf in zip(to_psum, summed):
     out[i] = leaf
   return treedef.unflatten(out), extra
