@@ -365,7 +365,7 @@ def accumulate(
     if extra_args and not takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
     if num_tokens is None:
-      tokens = missing_count()
+      tokens = missing_count.count()  # warned once the call is checked.
     else:
       tokens = validation.as_token_count("num_tokens", num_tokens)
     updates = incoming_grads.checked_grads(
@@ -388,6 +388,8 @@ def accumulate(
         state.stats,
     )
     new_state = _next_state(state, micro_step, emit, cycle, emitted, drops)
+    if num_tokens is None:
+      missing_count.warn()
     return emitted.updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -68,10 +68,17 @@ class MissingCount:
     self.warned = equal_weights
 
   def __call__(self) -> jax.Array:
+    """The count, after the warning."""
+    self.warn()
+    return self.count()
+
+  def count(self) -> jax.Array:
+    return jnp.ones([], jnp.float32)
+
+  def warn(self) -> None:
     if not self.warned:
       warnings.warn(self.message(), UserWarning, stacklevel=3)
       self.warned = True  # not if warnings are errors: each call raises.
-    return jnp.ones([], jnp.float32)
 
   def message(self) -> str:
     return (
