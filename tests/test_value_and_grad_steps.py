@@ -127,7 +127,8 @@ def test_rng_is_reproducible_and_differs_across_calls_and_without_it():
     assert "rng" not in kwargs  # without rng, loss_fn never sees it.
     return mean_loss(params, batch)
 
-  oa.value_and_grad(no_rng, num_microbatches=2)(_params(), _data())
+  oa.value_and_grad(no_rng, num_microbatches=2, equal_weights=True)(
+      _params(), _data())
   with pytest.raises(TypeError, match=r"rng must be one PRNG key.*float32"):
     fn(_params(), _data(), rng=jnp.zeros(2))
 
