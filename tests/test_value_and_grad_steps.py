@@ -318,7 +318,7 @@ def test_aux_is_reduced_in_the_carry_not_stacked():
 
   for reduction, stacked_outputs in (("sum", 0), ("stack", 1)):
     fn = oa.value_and_grad(loss_fn, num_microbatches=8, has_aux=True,
-                           aux_reduction=reduction)
+                           aux_reduction=reduction, equal_weights=True)
     jaxpr = jax.make_jaxpr(fn)(_params(), _data())
     (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     shapes = [v.aval.shape for v in scan.outvars]
