@@ -40,7 +40,9 @@ def inner_optimizer(name):
 
 
 def transformations(inner, k):
-  return {OURS: oa.accumulate(inner, k), PEER: optax.MultiSteps(inner, k)}
+  # MultiSteps takes the plain mean of its micro-batches: equal weights.
+  return {OURS: oa.accumulate(inner, k, equal_weights=True),
+          PEER: optax.MultiSteps(inner, k)}
 
 
 def time_cycles(inner, k, leaves, size, reps):

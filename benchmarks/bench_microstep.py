@@ -33,7 +33,7 @@ DESCRIPTION = (
 
 def runners(params, grads):
   inner = optax.adamw(1e-3, weight_decay=1e-4)
-  tx = oa.accumulate(inner, train_steps.NEVER)
+  tx = oa.accumulate(inner, train_steps.NEVER, equal_weights=True)
   return {
       FLOOR: train_steps.Floor(params, grads),
       "oa.accumulate update only": train_steps.UpdateOnly(tx, params, grads),

@@ -45,7 +45,8 @@ TARGET_VS_FULL, TARGET_VS_PEER = 1.10, 1.05
 def candidates(loss_fn, batch_size, k):
   """Ours and the peer, jitted (not yet compiled), for one k."""
   return {
-      OURS: jax.jit(oa.value_and_grad(loss_fn, num_microbatches=k)),
+      OURS: jax.jit(oa.value_and_grad(loss_fn, num_microbatches=k,
+                                      equal_weights=True)),
       PEER: jax.jit(microbatching.microbatch(
           jax.value_and_grad(loss_fn), argnums=1,
           microbatch_size=batch_size // k,

@@ -118,9 +118,10 @@ def make_train_step(model: ConvNet, k: int):
         logits, microbatch["label"]).mean()
     return loss, new_state.get("batch_stats", {})
 
-  # Micro-batches have the same number of examples, so they weigh the same;
-  # pass num_tokens_fn when they do not (padding, masks).
-  grad_fn = oa.value_and_grad(loss_fn, num_microbatches=k, has_state=True)
+  # Micro-batches have the same number of examples, so they weigh the same
+  # (equal_weights); pass num_tokens_fn when they do not (padding, masks).
+  grad_fn = oa.value_and_grad(loss_fn, num_microbatches=k, has_state=True,
+                              equal_weights=True)
 
   @jax.jit
   def train_step(state, batch):

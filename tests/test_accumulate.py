@@ -125,7 +125,8 @@ def test_bf16_gradients_accumulate_in_float32():
   grads = [{"w": jnp.ones(4, jnp.bfloat16)}] + [
       {"w": jnp.full(4, 2.0**-9, jnp.bfloat16)}
   ] * 255
-  tx = oa.accumulate(optax.identity(), 256, loss_reduction="sum")
+  tx = oa.accumulate(optax.identity(), 256, loss_reduction="sum",
+                     equal_weights=True)
   state = tx.init(params)
   assert state.grad_sum["w"].dtype == jnp.float32
   update = jax.jit(tx.update)
@@ -212,7 +213,7 @@ def test_callable_every_k_follows_the_update_count():
 
 def test_extra_args_reach_the_inner_optimizer():
   inner = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau())
-  tx = oa.accumulate(inner, 2)
+  tx = oa.accumulate(inner, 2, equal_weights=True)
   params = _params()
   state = tx.init(params)
   update = jax.jit(tx.update)

@@ -121,8 +121,8 @@ def _is_bad(n):
 
 @functools.cache
 def _jitted(skip_nonfinite, loss_reduction):
-  # every_k does not matter: the loop passes emit, the whole decision.
-  tx = oa.accumulate(optax.sgd(1.0), 1, skip_nonfinite=skip_nonfinite,
+  # every_k=None: the loop's emit is the whole decision.
+  tx = oa.accumulate(optax.sgd(1.0), None, skip_nonfinite=skip_nonfinite,
                      loss_reduction=loss_reduction)
   return tx, jax.jit(tx.update)
 
@@ -236,7 +236,7 @@ def test_every_k_outside_int32_refused_at_construction(every_k):
 
 
 def test_largest_int32_every_k_is_accepted():
-  tx = oa.accumulate(optax.sgd(1.0), 2**31 - 1)
+  tx = oa.accumulate(optax.sgd(1.0), 2**31 - 1, equal_weights=True)
   updates, state = tx.update(_grads(0), tx.init(_params()))
   assert int(state.micro_step) == 1 and not np.any(updates["w"])
 

@@ -4,9 +4,12 @@
   gives the exact mean of the partial window, so training follows full-batch
   training on batches of 4, 4 and 2 micro-batches' worth of data (uneven
   masks, clipping, AdamW, a schedule), not Lightning's partial window scaled
-  by k, nor mlx-lm's dropped one.
-- A boundary chosen by the data: emit when the tokens reach a budget, then
-  flush what is left at the end with zero gradients and ``num_tokens=0``.
+  by k, nor mlx-lm's dropped one. ``emit=(i == last)``, a Python bool or a
+  traced one, does the same: ``emit`` is OR-ed with ``every_k``, so a False
+  never holds a cycle open.
+- A boundary chosen by the data (``every_k=None``): emit when the tokens
+  reach a budget, then flush what is left at the end with zero gradients and
+  ``num_tokens=0``.
 - ``should_skip`` drops exactly the micro-steps it flags, and combines with
   ``skip_nonfinite``.
 - ``emit`` passed traced does not retrace, never reaches ``inner``, and under
@@ -70,9 +73,7 @@ def test_emit_true_ends_a_partial_window_with_its_exact_mean(traced):
   outs = []
   for (grads, n), emit in zip(feed, emits):
     if traced:
-      emit = jnp.bool_(emit) if emit else jnp.bool_(False)
-      # Traced, emit is the whole decision: the every_k rule is the caller's.
-      emit |= state.micro_step + 1 >= K
+      emit = jnp.bool_(bool(emit))  # False, traced, leaves it to every_k.
     updates, state = update(grads, state, params, num_tokens=n, emit=emit)
     outs.append((updates, state))
   assert [bool(oa.has_updated(s)) for _, s in outs] == [
@@ -83,18 +84,40 @@ def test_emit_true_ends_a_partial_window_with_its_exact_mean(traced):
   assert int(outs[5][1].count) == 2
 
 
-def test_emit_false_forbids_emitting_and_the_next_call_emits():
+@pytest.mark.parametrize("traced", [False, True], ids=["python", "traced"])
+def test_emit_false_leaves_the_cycle_to_every_k(traced):
   tx = oa.accumulate(optax.sgd(1.0), 2)
+  update = jax.jit(tx.update, static_argnames=None if traced else "emit")
   params, state = _params(), tx.init(_params())
-  feed = [(_grads(i), 2.0 + i) for i in range(3)]
+  feed = [(_grads(i), 2.0 + i) for i in range(4)]
   outs = []
-  for (grads, n), emit in zip(feed, [None, False, None]):
-    updates, state = tx.update(grads, state, params, num_tokens=n, emit=emit)
+  for (grads, n), emit in zip(feed, [False, False, None, False]):
+    emit = jnp.bool_(emit) if traced and emit is not None else emit
+    updates, state = update(grads, state, params, num_tokens=n, emit=emit)
     outs.append((updates, state))
-  helpers.assert_trees_equal(outs[1][0], _zeros())
-  assert not bool(oa.has_updated(outs[1][1]))
-  assert int(outs[1][1].micro_step) == 2
-  helpers.assert_trees_close(outs[2][0], _mean(feed), rtol=RTOL)
+  assert [bool(oa.has_updated(s)) for _, s in outs] == [
+      False, True, False, True]
+  helpers.assert_trees_close(outs[1][0], _mean(feed[:2]), rtol=RTOL)
+  helpers.assert_trees_close(outs[3][0], _mean(feed[2:]), rtol=RTOL)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["python", "traced"])
+def test_every_k_none_ends_cycles_only_on_emit(traced):
+  tx = oa.accumulate(optax.sgd(1.0), None)
+  update = jax.jit(tx.update, static_argnames=None if traced else "emit")
+  params, state = _params(), tx.init(_params())
+  feed = [(_grads(i), 1.0 + i) for i in range(7)]
+  emits = [None, False, None, None, True, False, True]  # after 5, then 2.
+  outs = []
+  for (grads, n), emit in zip(feed, emits):
+    emit = jnp.bool_(emit) if traced and emit is not None else emit
+    updates, state = update(grads, state, params, num_tokens=n, emit=emit)
+    outs.append((updates, state))
+  assert [bool(oa.has_updated(s)) for _, s in outs] == [
+      bool(e) for e in emits]
+  helpers.assert_trees_close(outs[4][0], _mean(feed[:5]), rtol=RTOL)
+  helpers.assert_trees_close(outs[6][0], _mean(feed[5:]), rtol=RTOL)
+  assert int(outs[3][1].micro_step) == 4 and int(state.count) == 2
 
 
 def test_traced_emit_does_not_retrace():
@@ -161,10 +184,20 @@ def test_emit_is_never_passed_to_inner():
 _EPOCH = trajectory_test._batches([4, 4, 2])  # pylint: disable=protected-access
 
 
-def _epoch_trajectory(tx):
-  """One epoch of 10 micro-batches, ``emit=True`` on the last."""
+# How the last micro-batch of the epoch is flagged: True on it and None on
+# the others; ``emit=(i == last)``, a Python bool; the same traced.
+_EMIT_FORMS = {
+    "true_or_none": lambda is_last: True if is_last else None,
+    "python_bool": lambda is_last: is_last,
+    "traced_bool": jnp.bool_,
+}
 
-  @functools.partial(jax.jit, static_argnames="emit")
+
+def _epoch_trajectory(tx, emit_form="true_or_none"):
+  """One epoch of 10 micro-batches, the last one flagged with ``emit``."""
+  traced = emit_form == "traced_bool"
+
+  @functools.partial(jax.jit, static_argnames=None if traced else "emit")
   def step(params, opt_state, micro_batch, emit=None):
     grads = jax.grad(trajectory_test._mean_loss)(params, micro_batch)
     updates, opt_state = tx.update(
@@ -182,15 +215,17 @@ def _epoch_trajectory(tx):
   for i, mb in enumerate(micro_batches):
     is_last = i == len(micro_batches) - 1
     params, opt_state = step(params, opt_state, mb,
-                             emit=True if is_last else None)
+                             emit=_EMIT_FORMS[emit_form](is_last))
     if oa.has_updated(opt_state):
       trajectory.append(params)
   return trajectory, opt_state
 
 
-def test_epoch_end_partial_window_matches_full_batch_training():
+@pytest.mark.parametrize("emit_form", list(_EMIT_FORMS))
+def test_epoch_end_partial_window_matches_full_batch_training(emit_form):
   tx = oa.accumulate(trajectory_test._inner(), K)
-  trajectory, state = _epoch_trajectory(tx)
+  trajectory, state = _epoch_trajectory(tx, emit_form)
+  assert len(trajectory) == 3  # every_k's two updates, then the partial.
   expected, grad_norms = trajectory_test._full_batch_trajectory(_EPOCH)
   trajectory_test._assert_same_trajectory(trajectory, expected)
   assert trajectory_test._inner_counts(state.inner_state) == [3, 3]
@@ -227,7 +262,7 @@ def test_token_budget_boundary_matches_full_batch_training():
             for mb in trajectory_test._micro_batches(batch)]
   groups, rest = _budget_groups(stream)
   assert len({len(g) for g in groups}) > 1 and rest, "boundaries too regular"
-  tx = oa.accumulate(trajectory_test._inner(), every_k=10**6)
+  tx = oa.accumulate(trajectory_test._inner(), every_k=None)
 
   @jax.jit
   def step(params, opt_state, micro_batch):

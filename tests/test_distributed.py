@@ -569,11 +569,12 @@ def test_docs_distributed_snippets_run_and_print_what_they_say(capsys):
   """The ```python blocks of docs/distributed.md, in order, in one namespace."""
   namespace = helpers.run_markdown_snippets("docs/distributed.md", min_blocks=5)
   printed = capsys.readouterr().out.splitlines()
-  assert printed[:4] == [
+  assert printed[:5] == [
       "{} {'all-reduce': 1}",
       "P('data',) {}",
       "P('fsdp',)",
       "True {'all-reduce': 1} {}",
+      "{'all-reduce': 1} {}",
   ]
   first_device = jax.tree.map(lambda x: x[0], namespace["p_state"])
   assert bool(oa.has_updated(first_device))

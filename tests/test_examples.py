@@ -190,3 +190,31 @@ def test_readme_commands_name_scripts_that_exist():
     assert scripts, readme
     for script in scripts:
       assert (ROOT / script).is_file(), (readme, script)
+
+
+def test_train_lm_plot_draws_the_accumulated_gap_above_the_zero_line(
+    tmp_path, monkeypatch):
+  """(b)'s gap to (a) is zero to rounding: the zero line must not hide it."""
+  report = helpers.import_example("train_lm/report")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  figures = []
+  monkeypatch.setattr(plt, "close", figures.append)
+  steps = 20
+  ramp = np.linspace(3.0, 2.0, steps)
+  results = {"steps": steps, "k": 4,
+             "losses": {"full_batch": ramp, "accumulate": ramp + 1e-7,
+                        "naive": ramp + 0.05},
+             "param_diffs": {"accumulate": np.full(steps, 1e-7),
+                             "naive": np.full(steps, 1e-2)}}
+  report.plot(results, batch_size=8, out=str(tmp_path / "lm.png"))
+  (figure,) = figures
+  middle = figure.axes[1]
+  (zero,) = [line for line in middle.lines
+             if np.all(np.asarray(line.get_ydata()) == 0)]
+  (accumulated,) = [line for line in middle.lines
+                    if line.get_label() == report.LABELS["accumulate"]]
+  assert accumulated.get_zorder() > zero.get_zorder()
+  assert all(accumulated.get_zorder() >= line.get_zorder()
+             for line in middle.lines)
+  assert zero.get_linewidth() < accumulated.get_linewidth()
+  assert zero.get_linestyle() != "-"

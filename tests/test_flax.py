@@ -109,8 +109,9 @@ def test_nnx_mean_of_means_would_differ():
   """The test above is not vacuous: without num_tokens the result differs."""
   full_model, naive_model = _Mlp(nnx.Rngs(0)), _Mlp(nnx.Rngs(0))
   full_opt = nnx.Optimizer(full_model, _tx(), wrt=nnx.Param)
-  naive_opt = nnx.Optimizer(
-      naive_model, oa.accumulate(_tx(), every_k=K), wrt=nnx.Param)
+  naive_opt = nnx.Optimizer(  # without num_tokens: equal weights.
+      naive_model, oa.accumulate(_tx(), every_k=K, equal_weights=True),
+      wrt=nnx.Param)
   batch = _batch()
   full_opt.update(full_model, nnx.grad(_nnx_loss)(full_model, batch))
   for mb in _microbatches(batch):

@@ -65,7 +65,7 @@ def test_nnx_recipe_threads_state_and_draws_a_mask_per_micro_batch():
   model, nnx_loss = _recipe()
   _, params, model_state = nnx.split(model, nnx.Param, ...)
   grad_fn = jax.jit(oa.value_and_grad(nnx_loss, num_microbatches=K,
-                                      has_state=True))
+                                      has_state=True, equal_weights=True))
   rng = jax.random.key(1)
   (loss, new_state), grads = grad_fn(params, model_state, _batch(), rng=rng)
 
@@ -87,7 +87,8 @@ def test_nnx_recipe_threads_state_and_draws_a_mask_per_micro_batch():
 
 def test_nnx_recipe_trains_with_nnx_optimizer():
   model, nnx_loss = _recipe()
-  grad_fn = oa.value_and_grad(nnx_loss, num_microbatches=K, has_state=True)
+  grad_fn = oa.value_and_grad(nnx_loss, num_microbatches=K, has_state=True,
+                              equal_weights=True)
   optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
   @nnx.jit

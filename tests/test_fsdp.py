@@ -190,7 +190,8 @@ def _memory_per_device(gradient_sync, gather_params):
   batch = {"x": sds((ROWS, WIDTH), P("data"))}
   fn = oa.value_and_grad(
       _stack_loss, num_microbatches=K, axis_name="data",
-      gradient_sync=gradient_sync, gather_params=gather_params)
+      gradient_sync=gradient_sync, gather_params=gather_params,
+      equal_weights=True)
   with jax.set_mesh(mesh):
     memory = jax.jit(fn).lower(params, batch).compile().memory_analysis()
   return (memory.temp_size_in_bytes + memory.argument_size_in_bytes

@@ -49,7 +49,7 @@ def _brute_force_measure(k, gradient_sync, gather_params):
   mesh = _mesh()
   fn = oa.value_and_grad(_loss, num_microbatches=k, axis_name="data",
                          gradient_sync=gradient_sync,
-                         gather_params=gather_params)
+                         gather_params=gather_params, equal_weights=True)
   with jax.set_mesh(mesh):
     compiled = jax.jit(fn).lower(*_inputs(mesh)).compile()
   memory = compiled.memory_analysis()
@@ -90,7 +90,7 @@ def _plan(budget):
   with jax.set_mesh(mesh):
     return oa.plan_microbatches(
         _loss, *_inputs(mesh), memory_budget=budget, candidates=CANDIDATES,
-        axis_name="data")
+        axis_name="data", equal_weights=True)
 
 
 def test_planner_picks_what_brute_force_picks_at_three_budgets(
@@ -158,7 +158,8 @@ def test_without_sharded_params_only_the_default_policy_is_compiled():
   with jax.set_mesh(mesh):
     with pytest.raises(ValueError, match="No candidate fits") as error:
       oa.plan_microbatches(_loss, params, _inputs(mesh)[1], memory_budget=1,
-                           candidates=(2,), axis_name="data")
+                           candidates=(2,), axis_name="data",
+                           equal_weights=True)
   table = str(error.value).splitlines()[1:]
   assert len(table) == 2 and "every_microbatch" not in table[1], table
 

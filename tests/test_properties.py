@@ -90,6 +90,7 @@ def _oa_value_and_grad(loss_name, k, weighted=True):
           LOSSES[loss_name],
           num_microbatches=k,
           num_tokens_fn=_num_tokens if weighted else None,
+          equal_weights=not weighted,
           loss_reduction=_reduction(loss_name),
       )
   )

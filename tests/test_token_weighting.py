@@ -5,6 +5,8 @@ all whose padded inputs are NaN (so its loss and gradient are NaN, for both
 reductions). The full batch without that micro-batch is the reference.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,3 +130,71 @@ def test_entry_points_agree_on_a_concrete_bad_token_count():
   tx = oa.accumulate(optax.sgd(1.0), every_k=K)
   with pytest.raises(ValueError, match=r"num_tokens.*finite number >= 0"):
     tx.update(params, tx.init(params), params, num_tokens=-1.0)
+
+
+# --------------------------------------------------------------------------
+# No token count: one per micro-batch, which warns once unless asked for.
+
+_NO_COUNT = r"got no token counts, so every micro-batch counts as one token"
+
+
+def _mean_loss(params, batch):
+  return helpers.raw_mean(helpers.linear_token_losses(params, batch), batch)
+
+
+def _no_count_runs():
+  """Each entry point, built without a count and traced twice (jit, eager)."""
+  params, batch = helpers.linear_params(DIM), _data()
+  mbs = helpers.split(jax.tree.map(lambda x: x[4:], batch), 2)
+
+  def accumulate(**kwargs):
+    tx = oa.accumulate(optax.sgd(1.0), every_k=2, **kwargs)
+    state = tx.init(params)
+    for update in (jax.jit(tx.update), tx.update):
+      for mb in mbs:
+        _, state = update(jax.grad(_mean_loss)(params, mb), state, params)
+
+  def value_and_grad(**kwargs):
+    fn = oa.value_and_grad(_mean_loss, num_microbatches=2, **kwargs)
+    for call in (jax.jit(fn), fn):
+      call(params, jax.tree.map(lambda x: x[4:], batch))
+
+  return {"num_tokens": accumulate, "num_tokens_fn": value_and_grad}
+
+
+@pytest.mark.parametrize("entry_point", ["num_tokens", "num_tokens_fn"])
+def test_a_forgotten_token_count_warns_once_naming_the_fix(entry_point):
+  run = _no_count_runs()[entry_point]
+  with pytest.warns(UserWarning, match=_NO_COUNT) as record:
+    run()
+  assert len(record) == 1, [str(w.message) for w in record]
+  message = str(record[0].message)
+  assert f"Pass {entry_point}" in message and "equal_weights=True" in message
+  # Said once, at construction: no warning at all.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    run(equal_weights=True)
+
+
+def test_equal_weights_keeps_a_count_that_is_passed():
+  params = helpers.linear_params(DIM)
+  tx = oa.accumulate(optax.sgd(1.0), every_k=2, equal_weights=True)
+  state = tx.init(params)
+  grads = [{"w": jnp.full((DIM,), g), "b": jnp.float32(g)} for g in (1., 4.)]
+  for g, n in zip(grads, (3.0, 1.0)):
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      updates, state = tx.update(g, state, params, num_tokens=n)
+  np.testing.assert_allclose(updates["b"], -(3 * 1 + 1 * 4) / 4)
+
+
+def test_equal_weights_with_num_tokens_fn_is_refused():
+  with pytest.raises(ValueError, match=r"equal_weights=True.*num_tokens_fn"):
+    oa.value_and_grad(_mean_loss, num_microbatches=2, equal_weights=True,
+                      num_tokens_fn=helpers.num_tokens)
+  for entry_point in (
+      lambda: oa.accumulate(optax.sgd(1.0), 2, equal_weights=1),
+      lambda: oa.value_and_grad(_mean_loss, num_microbatches=2,
+                                equal_weights="yes")):
+    with pytest.raises(TypeError, match=r"equal_weights must be a bool"):
+      entry_point()

@@ -51,7 +51,7 @@ def test_matches_full_batch_with_uneven_tokens(k, loss_reduction):
 
 
 def test_mean_of_means_differs_on_the_same_data():
-  fn = oa.value_and_grad(mean_loss, num_microbatches=4)  # unweighted
+  fn = oa.value_and_grad(mean_loss, num_microbatches=4, equal_weights=True)
   loss, _ = fn(_params(), _data())
   expected = mean_loss(_params(), _data())
   assert abs(float(loss) - float(expected)) > 1e-3
@@ -63,7 +63,8 @@ def test_without_num_tokens_each_micro_batch_weighs_the_same():
   def mse(params, batch):
     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
 
-  loss, grads = oa.value_and_grad(mse, num_microbatches=4)(_params(), data)
+  loss, grads = oa.value_and_grad(mse, num_microbatches=4,
+                                  equal_weights=True)(_params(), data)
   expected_loss, expected_grads = jax.value_and_grad(mse)(_params(), data)
   np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
   helpers.assert_trees_close(grads, expected_grads, rtol=1e-5)
@@ -114,7 +115,8 @@ def test_model_state_is_threaded_through_micro_batches(has_aux):
     return (loss, (new_stats, loss)) if has_aux else (loss, new_stats)
 
   fn = jax.jit(oa.value_and_grad(
-      loss_fn, num_microbatches=4, has_state=True, has_aux=has_aux))
+      loss_fn, num_microbatches=4, has_state=True, has_aux=has_aux,
+      equal_weights=True))
   (loss, rest), grads = fn(_params(), stats, data)
   final_stats, aux = rest if has_aux else (rest, None)
 

@@ -127,7 +127,8 @@ def test_rng_is_reproducible_and_differs_across_calls_and_without_it():
     assert "rng" not in kwargs  # without rng, loss_fn never sees it.
     return mean_loss(params, batch)
 
-  oa.value_and_grad(no_rng, num_microbatches=2)(_params(), _data())
+  oa.value_and_grad(no_rng, num_microbatches=2, equal_weights=True)(
+      _params(), _data())
   with pytest.raises(TypeError, match=r"rng must be one PRNG key.*float32"):
     fn(_params(), _data(), rng=jnp.zeros(2))
 
@@ -317,7 +318,7 @@ def test_aux_is_reduced_in_the_carry_not_stacked():
 
   for reduction, stacked_outputs in (("sum", 0), ("stack", 1)):
     fn = oa.value_and_grad(loss_fn, num_microbatches=8, has_aux=True,
-                           aux_reduction=reduction)
+                           aux_reduction=reduction, equal_weights=True)
     jaxpr = jax.make_jaxpr(fn)(_params(), _data())
     (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     shapes = [v.aval.shape for v in scan.outvars]

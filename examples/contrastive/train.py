@@ -51,7 +51,9 @@ def make_steps(k: int, optimizer) -> dict[str, Any]:
       "full_batch": jax.value_and_grad(model.loss),
       "coupled": oa.coupled_value_and_grad(
           model.encode, model.info_nce, num_microbatches=k),
-      "naive": oa.value_and_grad(model.loss, num_microbatches=k),
+      # Micro-batches of equal size weigh the same; the loss couples them.
+      "naive": oa.value_and_grad(model.loss, num_microbatches=k,
+                                 equal_weights=True),
   }
   return {run: make_step(vg, optimizer, naive=run == "naive")
           for run, vg in value_and_grads.items()}

@@ -41,12 +41,17 @@ data = _import_from_train_lm("data")
 model_lib = _import_from_train_lm("model")
 
 
-def make_optimizer(learning_rate: float, warmup: int, max_k: int):
-  """AdamW after clipping, accumulated, with the noise statistics kept."""
+def make_optimizer(learning_rate: float, warmup: int):
+  """AdamW after clipping, accumulated, with the noise statistics kept.
+
+  ``every_k=None``: every cycle ends where :func:`micro_step` passes
+  ``emit=True``, after ``k`` micro-batches or once the tokens reach the
+  target.
+  """
   schedule = optax.linear_schedule(0.0, learning_rate, warmup)
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    optax.adamw(schedule, b2=0.98, weight_decay=0.1))
-  return oa.accumulate(tx, every_k=max_k, with_stats=True)
+  return oa.accumulate(tx, every_k=None, with_stats=True)
 
 
 @nnx.jit(graph=False)
@@ -182,7 +187,7 @@ def train_and_compare(args: argparse.Namespace) -> dict[str, Any]:
   # cycle, measured before its update, is a held-out loss.
   microbatches = list(data.batches(train_data, args.microbatch_size,
                                    num_microbatches, args.seed, False))
-  tx = make_optimizer(args.lr, args.warmup, args.max_k)
+  tx = make_optimizer(args.lr, args.warmup)
   results = {"args": vars(args)}
   progress = tqdm.tqdm(total=len(RUNS) * num_microbatches, unit="micro-step",
                        disable=args.quiet, desc="compiling")

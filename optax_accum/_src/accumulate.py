@@ -87,9 +87,14 @@ class _Drops(NamedTuple):
 
 
 def _cycle_length(
-    every_k: int | Callable[[jax.Array], jax.Array], count: jax.Array
-) -> jax.Array:
-  """Micro-steps in the cycle that ends with update number ``count + 1``."""
+    every_k: int | Callable[[jax.Array], jax.Array] | None, count: jax.Array
+) -> jax.Array | None:
+  """Micro-steps in the cycle that ends with update number ``count + 1``.
+
+  None when ``every_k`` is None: no cycle ends by count.
+  """
+  if every_k is None:
+    return None
   if not callable(every_k):
     return jnp.asarray(every_k, jnp.int32)
   length = jnp.asarray(every_k(count))
@@ -147,13 +152,20 @@ def _add_to_sum(grad_sum, updates, contribution, cycle_start):
 
 
 def _should_emit(emit, micro_step, length, axis_name):
-  """The emit decision: the every_k rule, or the caller's ``emit``."""
+  """The emit decision: the every_k rule OR the caller's ``emit``.
+
+  ``emit`` can only end a cycle early, never hold one open: with
+  ``emit=(i == last)`` every other call must still follow ``every_k``, or an
+  epoch's updates silently collapse into one. ``length`` is None when
+  ``every_k`` is None, and then ``emit`` alone decides.
+  """
+  by_count = jnp.bool_(False) if length is None else micro_step >= length
   if emit is None:
-    return micro_step >= length
+    return by_count
   emit = validation.check_predicate("emit", emit)
   if axis_name is not None:
     validation.check_same_on_every_device("emit", emit, axis_name)
-  return emit
+  return emit | by_count
 
 
 def _increment_where(flag, counter):
@@ -214,9 +226,12 @@ class _MicroStep(NamedTuple):
   skipped_count: jax.Array  # like state.skipped_count.
 
 
-def _add_microstep(updates, state, params, num_tokens, rules) -> _MicroStep:
-  """Adds a micro-step's gradients: global, or device-local in shard_map."""
-  tokens = validation.as_token_count("num_tokens", num_tokens)
+def _add_microstep(updates, state, params, num_tokens, tokens,
+                   rules) -> _MicroStep:
+  """Adds a micro-step's gradients: global, or device-local in shard_map.
+
+  ``num_tokens`` is the caller's; ``tokens`` its checked float32 count.
+  """
   updates = incoming_grads.checked_grads(
       updates, state.grad_sum, rules.axis_name, num_tokens
   )
@@ -233,7 +248,7 @@ def _add_microstep(updates, state, params, num_tokens, rules) -> _MicroStep:
   )
 
 
-def _add_unreduced_microstep(updates, state, params, num_tokens,
+def _add_unreduced_microstep(updates, state, params, num_tokens, tokens,
                              rules) -> _MicroStep:
   """Adds a micro-step's unreduced gradients under jit (no communication).
 
@@ -243,7 +258,6 @@ def _add_unreduced_microstep(updates, state, params, num_tokens,
   one scalar reduction. ``should_skip`` runs under jit on the unreduced
   gradients and the state as they are.
   """
-  tokens = validation.as_token_count("num_tokens", num_tokens)
   updates = incoming_grads.checked_partials(
       updates, state.grad_sum, rules.axis_name, num_tokens
   )
@@ -334,7 +348,7 @@ def _init_state(inner_state, params, accumulator_dtype, axis_name,
 
 def accumulate(
     inner: optax.GradientTransformation,
-    every_k: int | Callable[[jax.Array], jax.Array],
+    every_k: int | Callable[[jax.Array], jax.Array] | None,
     *,
     loss_reduction: str = "mean",
     accumulator_dtype: Any = jnp.float32,
@@ -342,6 +356,7 @@ def accumulate(
     skip_nonfinite: bool = False,
     should_skip: Callable[[Any, Any, Any], Any] | None = None,
     with_stats: bool = False,
+    equal_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates micro-batch gradients and updates once per cycle.
 
@@ -350,8 +365,8 @@ def accumulate(
   ``num_tokens`` items, so the call adds ``num_tokens * grads`` to a running
   sum; with ``"sum"`` it adds ``grads`` as they are. In both cases it adds
   ``num_tokens`` to a running token count. On the ``every_k``-th call of a
-  cycle (or a call with ``emit=True``) the transformation hands ``inner`` the
-  exact token-weighted mean
+  cycle, or on any call with ``emit=True``, the transformation hands
+  ``inner`` the exact token-weighted mean
 
   .. math::
     \bar g = \frac{\sum_i n_i \, g_i}{\sum_i n_i}
@@ -401,9 +416,11 @@ def accumulate(
 
   Args:
     inner: the optimizer to run on the accumulated gradient.
-    every_k: micro-steps per optimizer update: a positive int, or a callable
+    every_k: micro-steps per optimizer update: a positive int, a callable
       mapping the number of updates emitted so far (``state.count``) to a cycle
-      length (for a batch-size warm-up). Lengths below one count as one.
+      length (for a batch-size warm-up; lengths below one count as one), or
+      None: cycles end only where ``update`` is passed ``emit=True`` (a
+      boundary chosen by the data, e.g. a token budget).
     loss_reduction: how each incoming gradient's loss was reduced over its
       ``num_tokens`` items: ``"mean"`` or ``"sum"``.
     accumulator_dtype: floating dtype of the running sum.
@@ -423,15 +440,24 @@ def accumulate(
       noise scale from the cycle's micro-step gradients (read it with
       :func:`optax_accum.grad_stats`): one squared norm per micro-step, and
       with ``axis_name`` two scalars more in the one reduction per update.
+    equal_weights: True says that every micro-batch is meant to weigh the
+      same (they hold the same number of tokens): ``update`` calls without
+      ``num_tokens`` then count as one token each without the
+      ``UserWarning`` they give otherwise, once, at the first trace. A
+      ``num_tokens`` that is passed still counts (``num_tokens=0`` for a
+      flush).
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose ``update`` takes
     ``(grads, state, params=None, *, num_tokens=None, emit=None,
-    **extra_args)``. ``num_tokens=None`` counts as one. ``emit=None`` keeps
-    the ``every_k`` rule; ``emit=True`` (a Python or traced bool) ends the
-    cycle on this call, ``emit=False`` forbids ending it (a traced ``emit``
-    is the whole decision; with ``axis_name`` it must be the same on every
-    device). ``emit`` is never passed to ``inner``. A flush with no new
+    **extra_args)``. ``num_tokens=None`` counts as one (see
+    ``equal_weights``). ``emit=True`` (a Python or traced bool) ends the
+    cycle on this call, whatever ``micro_step`` is; ``emit=False`` and
+    ``emit=None`` add nothing, so the cycle still ends on its ``every_k``-th
+    call: ``emit`` is OR-ed with the ``every_k`` rule, traced or not, and
+    ``emit=(i == last)`` ends an epoch's partial last cycle without touching
+    the others. With ``axis_name`` it must be the same on every device.
+    ``emit`` is never passed to ``inner``. A flush with no new
     gradient is ``update(zero_grads, state, params, num_tokens=0,
     emit=True)``. ``extra_args`` go on to ``inner``; a keyword that looks
     like a typo of ``num_tokens`` or ``emit``, or any keyword when ``inner``
@@ -466,6 +492,12 @@ def accumulate(
   skip_nonfinite = validation.check_bool("skip_nonfinite", skip_nonfinite)
   should_skip = validation.check_optional_callable("should_skip", should_skip)
   with_stats = validation.check_bool("with_stats", with_stats)
+  missing_count = token_weighting.MissingCount(
+      "oa.accumulate",
+      "num_tokens=n to each update call (n: the number of tokens that"
+      " micro-batch's loss averaged over)",
+      validation.check_bool("equal_weights", equal_weights),
+  )
   validation.check_transformation("inner", inner)
   takes_extra_args = isinstance(inner, optax.GradientTransformationExtraArgs)
   inner = optax.with_extra_args_support(inner)
@@ -484,8 +516,12 @@ def accumulate(
     deferred = unreduced_sums.is_deferred(axis_name)
     if deferred and with_stats:
       raise ValueError(_STATS_UNREDUCED)
+    if num_tokens is None:
+      tokens = missing_count.count()  # warned once the call is checked.
+    else:
+      tokens = validation.as_token_count("num_tokens", num_tokens)
     add = _add_unreduced_microstep if deferred else _add_microstep
-    step = add(updates, state, params, num_tokens, rules)
+    step = add(updates, state, params, num_tokens, tokens, rules)
     micro_step = optax.safe_increment(state.micro_step)
     emit = _should_emit(
         emit, micro_step, _cycle_length(every_k, state.count),
@@ -499,6 +535,8 @@ def accumulate(
         state.stats,
     )
     new_state = _next_state(state, micro_step, emit, step, emitted)
+    if num_tokens is None:
+      missing_count.warn()
     return emitted.updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

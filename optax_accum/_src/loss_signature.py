@@ -9,9 +9,15 @@ with None for the missing parts; the caller gets :func:`jax.value_and_grad`'s.
 """
 
 import functools
+import inspect
+import numbers
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
+
+# The keyword by which loss_fn gets its micro-batch's key.
+RNG = "rng"
 
 
 class Inputs(NamedTuple):
@@ -32,6 +38,11 @@ def _describe(x: Any) -> str:
 
 def _scalar(loss: Any) -> Any:
   """``loss``, or a clear error if it is not a scalar."""
+  if not (hasattr(loss, "shape") or isinstance(loss, numbers.Number)):
+    raise TypeError(
+        "loss_fn must return a scalar loss (a mean or sum over its"
+        f" micro-batch), got {_describe(loss)}."
+    )
   if jnp.ndim(loss) != 0:
     raise ValueError(
         "loss_fn must return a scalar loss (a mean or sum over its"
@@ -40,22 +51,35 @@ def _scalar(loss: Any) -> Any:
   return loss
 
 
+def _unpaired(out: Any) -> Any:
+  """The loss of a ``loss_fn`` without aux or state, checked."""
+  if isinstance(out, (tuple, list)):
+    raise TypeError(
+        f"loss_fn returned a {type(out).__name__} of {len(out)} but"
+        " has_aux=False, so a scalar loss was expected. Pass has_aux=True to"
+        " oa.value_and_grad if loss_fn returns (loss, aux) (or"
+        " has_state=True if it returns (loss, new_model_state))."
+    )
+  return _scalar(out)
+
+
 def normalize(loss_fn, has_aux, has_state):
   """``loss_fn`` in the loop's one shape.
 
   That is ``f(params, model_state, microbatch, inputs, rng) -> (loss,
   (model_state, aux))``, missing parts as None.
   """
+  signature = _signature(loss_fn)
 
   @functools.wraps(loss_fn)
   def normalized(params, model_state, microbatch, inputs, rng):
-    kwargs = inputs.kwargs if rng is None else {**inputs.kwargs, "rng": rng}
-    if has_state:
-      out = loss_fn(params, model_state, microbatch, *inputs.args, **kwargs)
-    else:
-      out = loss_fn(params, microbatch, *inputs.args, **kwargs)
+    kwargs = inputs.kwargs if rng is None else {**inputs.kwargs, RNG: rng}
+    leading = (params, model_state) if has_state else (params,)
+    positional = (*leading, microbatch, *inputs.args)
+    check_rng(signature, positional, kwargs, len(leading) + 1)
+    out = loss_fn(*positional, **kwargs)
     if not (has_aux or has_state):
-      return _scalar(out), (None, None)
+      return _unpaired(out), (None, None)
     if not isinstance(out, tuple) or len(out) != 2:
       raise ValueError(
           "loss_fn must return a pair (loss, aux) with has_aux=True or"
@@ -75,6 +99,79 @@ def normalize(loss_fn, has_aux, has_state):
     return loss, rest
 
   return normalized
+
+
+def _signature(loss_fn) -> inspect.Signature | None:
+  try:
+    return inspect.signature(loss_fn)
+  except (TypeError, ValueError):  # some builtins and C extensions.
+    return None
+
+
+def _binds(signature: inspect.Signature, args, kwargs) -> bool:
+  try:
+    signature.bind(*args, **kwargs)
+  except TypeError:
+    return False
+  return True
+
+
+def _is_key(x: Any) -> bool:
+  """A typed PRNG key, or a raw ``uint32[2]`` one (``jax.random.PRNGKey``)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return True
+  return dtype == jnp.uint32 and jnp.shape(x) == (2,)
+
+
+_PER_MICROBATCH = (
+    " Call fn(params, batch, *args, rng=key): micro-batch i then gets its own"
+    " key, passed to loss_fn as the keyword argument rng=."
+)
+
+
+def check_rng(signature, args, kwargs, num_fixed: int) -> None:
+  """Raises naming ``rng=`` when ``loss_fn`` and the call disagree on it.
+
+  ``args`` are the positional arguments ``loss_fn`` is about to get, the
+  first ``num_fixed`` of them ours (``params``, the model state, the
+  micro-batch), the rest the caller's ``*args``; ``kwargs`` include ``rng``
+  when the caller gave a key. A call that fails for another reason is left
+  to raise its own error.
+  """
+  if signature is None:
+    return
+  extra = args[num_fixed:]
+  given = RNG in kwargs
+  if not _binds(signature, args, kwargs):
+    if not given and _binds(signature, args, {**kwargs, RNG: None}):
+      raise TypeError(
+          f"loss_fn needs a key (its parameter {RNG} has no default), but fn"
+          " was called without rng=." +
+          _PER_MICROBATCH)
+    for i, arg in enumerate(extra):
+      rest = args[:num_fixed] + extra[:i] + extra[i + 1:]
+      if _is_key(arg) and _binds(signature, rest, {**kwargs, RNG: None}):
+        raise TypeError(
+            f"fn's positional argument {i} after the batch is a PRNG key that"
+            f" loss_fn cannot take positionally: it takes {RNG} as a"
+            " keyword." + _PER_MICROBATCH)
+    if given and _binds(signature, args, {
+        k: v for k, v in kwargs.items() if k != RNG}):
+      raise TypeError(
+          "fn was called with rng=, which goes on to loss_fn as the keyword"
+          f" argument rng=, but loss_fn takes no {RNG} parameter: add one,"
+          " e.g. loss_fn(params, microbatch, *, rng).")
+    return
+  bound = signature.bind(*args, **kwargs).arguments
+  if not given and RNG in bound and _is_key(bound[RNG]):
+    raise TypeError(
+        f"loss_fn's {RNG} parameter would get a PRNG key passed positionally"
+        " to fn, the same key for every micro-batch, so every micro-batch"
+        " would draw the same random numbers (dropout masks)." +
+        _PER_MICROBATCH)
 
 
 def split_call_args(rest, has_state):

@@ -61,7 +61,7 @@ class Options(NamedTuple):
   num_microbatches: int
   has_aux: bool
   has_state: bool
-  num_tokens_fn: Callable[[Any], Any] | None
+  num_tokens_fn: Callable[[Any], Any]  # token_weighting.count_fn's.
   loss_reduction: str
   axis_name: axes.AxisName | None  # as given; the runner finds the form.
   accumulator_dtype: Any
@@ -73,8 +73,6 @@ class Options(NamedTuple):
 
 
 def _token_count(num_tokens_fn, microbatch):
-  if num_tokens_fn is None:
-    return jnp.ones([], jnp.float32)
   return validation.as_token_count(
       "num_tokens_fn(microbatch)", num_tokens_fn(microbatch)
   )

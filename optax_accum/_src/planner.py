@@ -364,12 +364,13 @@ def plan_microbatches(
     >>> def loss_fn(w, mb):
     ...   return jnp.mean(jnp.tanh(mb['x'] @ w) ** 2)
     >>> w, batch = jnp.ones((64, 64)), {'x': jnp.ones((32, 64))}
-    >>> plan = oa.plan_microbatches(loss_fn, w, batch, memory_budget=2**30)
+    >>> plan = oa.plan_microbatches(loss_fn, w, batch, memory_budget=2**30,
+    ...                             equal_weights=True)
     >>> plan.num_microbatches, plan.gradient_sync, plan.gather_params
     (1, 'once', 'once')
     >>> loss, grads = plan.value_and_grad(w, batch)
-    >>> oa.plan_microbatches(loss_fn, w, batch, memory_budget=1000)
-    ... # doctest: +ELLIPSIS
+    >>> oa.plan_microbatches(loss_fn, w, batch, memory_budget=1000,
+    ...                      equal_weights=True)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: No candidate fits memory_budget=1000 bytes (0.00 MiB) per ...
   """

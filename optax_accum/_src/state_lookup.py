@@ -101,7 +101,7 @@ def has_updated(state: Any) -> jax.Array:
     >>> import jax.numpy as jnp
     >>> import optax
     >>> import optax_accum as oa
-    >>> tx = oa.accumulate(optax.sgd(0.1), every_k=2)
+    >>> tx = oa.accumulate(optax.sgd(0.1), every_k=2, equal_weights=True)
     >>> params = {'w': jnp.zeros(3)}
     >>> state = tx.init(params)
     >>> _, state = tx.update({'w': jnp.ones(3)}, state, params)

@@ -20,13 +20,22 @@ What is kept:
 * a token count that is NaN, infinite or negative is never used as a weight:
   dropped when the caller drops bad micro-batches, otherwise it turns the
   running count into NaN, so that the mean comes out visibly non-finite
-  rather than finite and wrong.
+  rather than finite and wrong;
+* a micro-batch given no token count (no ``num_tokens``, no
+  ``num_tokens_fn``) counts as one: every micro-batch weighs the same, the
+  mean of their means. That is right only when they hold the same number of
+  tokens, so unless the user said ``equal_weights=True`` at construction the
+  first trace without a count warns, once (:class:`MissingCount`).
 """
 
 from typing import Any, NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
+
+# The construction argument by which a user says that equal weights are meant.
+EQUAL_WEIGHTS = "equal_weights"
 
 
 class Contribution(NamedTuple):
@@ -41,6 +50,65 @@ class Contribution(NamedTuple):
 def is_bad_count(tokens: jax.Array) -> jax.Array:
   """Whether a token count is NaN, infinite or negative."""
   return ~jnp.isfinite(tokens) | (tokens < 0)
+
+
+class MissingCount:
+  """The count of a micro-batch given none: one, with a warning once.
+
+  One per entry point built (an ``oa.accumulate`` transformation, an
+  ``oa.value_and_grad`` function): it warns the first time it stands in for
+  a missing count, at the first trace, unless the user built the entry point
+  with ``equal_weights=True``.
+  """
+
+  def __init__(self, entry_point: str, how_to_count: str,
+               equal_weights: bool):
+    self.entry_point = entry_point  # e.g. "oa.accumulate".
+    self.how_to_count = how_to_count  # the argument that gives counts.
+    self.warned = equal_weights
+
+  def __call__(self) -> jax.Array:
+    """The count, after the warning."""
+    self.warn()
+    return self.count()
+
+  def count(self) -> jax.Array:
+    return jnp.ones([], jnp.float32)
+
+  def warn(self) -> None:
+    if not self.warned:
+      warnings.warn(self.message(), UserWarning, stacklevel=3)
+      self.warned = True  # not if warnings are errors: each call raises.
+
+  def message(self) -> str:
+    return (
+        f"{self.entry_point} got no token counts, so every micro-batch"
+        " counts as one token: the gradient is a mean over micro-batches, not"
+        " over tokens, which differs from the full batch's gradient when"
+        " micro-batches hold different numbers of tokens (padding, variable"
+        f" lengths). Pass {self.how_to_count}, or build it with"
+        f" {self.entry_point}(..., {EQUAL_WEIGHTS}=True) if every"
+        " micro-batch is meant to weigh the same."
+    )
+
+
+def count_fn(entry_point: str, num_tokens_fn: Any, equal_weights: bool):
+  """``num_tokens_fn``, or for None one per micro-batch (see MissingCount)."""
+  if num_tokens_fn is None:
+    missing = MissingCount(
+        entry_point,
+        "num_tokens_fn, mapping a micro-batch to the number of tokens its"
+        " loss averaged over (e.g. lambda mb: mb['mask'].sum())",
+        equal_weights,
+    )
+    return lambda microbatch: missing()
+  if equal_weights:
+    raise ValueError(
+        f"{EQUAL_WEIGHTS}=True says every micro-batch weighs the same, but"
+        f" num_tokens_fn={num_tokens_fn!r} weighs each by its tokens: pass"
+        " one or the other."
+    )
+  return num_tokens_fn
 
 
 def contribution(

@@ -34,14 +34,20 @@ def check_positive_int(name: str, value: Any) -> int:
   return int(value)
 
 
-def check_every_k(value: Any) -> int | Callable[[jax.Array], jax.Array]:
-  """Checks `every_k`: a positive int or a callable of the update count."""
-  if callable(value):
+def check_every_k(
+    value: Any,
+) -> int | Callable[[jax.Array], jax.Array] | None:
+  """Checks `every_k`: a positive int, a callable of the update count, None.
+
+  None: no cycle ends by count, only where ``emit`` says.
+  """
+  if value is None or callable(value):
     return value
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise TypeError(
-        "every_k must be a positive int or a callable mapping the update count"
-        f" to a cycle length, got {value!r} of type {type(value).__name__}."
+        "every_k must be a positive int, a callable mapping the update count"
+        " to a cycle length, or None (cycles end only on emit=True), got"
+        f" {value!r} of type {type(value).__name__}."
     )
   every_k = check_positive_int("every_k", value)
   if every_k > INT32_MAX:
@@ -128,14 +134,12 @@ def _is_concrete(value: Any) -> bool:
 
 
 def as_token_count(name: str, value: Any) -> jax.Array:
-  """Returns a token count as a float32 scalar; None counts as one.
+  """Returns a token count as a float32 scalar.
 
-  A concrete count that is not a finite non-negative number raises here; a
-  traced one is checked by the token-weighting rules (see
-  ``token_weighting``).
+  (A missing count is ``token_weighting.MissingCount``'s.) A concrete count
+  that is not a finite non-negative number raises here; a traced one is
+  checked by the token-weighting rules (see ``token_weighting``).
   """
-  if value is None:
-    return jnp.ones([], jnp.float32)
   dtype = getattr(value, "dtype", None)
   if dtype is None:
     is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -13,6 +13,7 @@ from optax_accum._src import loss_signature
 from optax_accum._src import microbatch_loop as loop_lib
 from optax_accum._src import microbatch_rng
 from optax_accum._src import runner
+from optax_accum._src import token_weighting
 from optax_accum._src import validation
 
 
@@ -37,6 +38,7 @@ def value_and_grad(
     has_aux: bool = False,
     has_state: bool = False,
     num_tokens_fn: Callable[[Any], Any] | None = None,
+    equal_weights: bool = False,
     loss_reduction: str = "mean",
     axis_name: str | tuple[str, ...] | None = None,
     accumulator_dtype: Any = jnp.float32,
@@ -64,7 +66,8 @@ def value_and_grad(
   exactly (to float rounding), however unevenly the tokens fall into
   micro-batches; with ``"sum"`` (``loss_fn`` returns a sum ``S_i``) it is
   :math:`\sum_i S_i / \sum_i n_i`. Without ``num_tokens_fn`` every micro-batch
-  counts as one token. Sums are kept in ``accumulator_dtype``; the gradient
+  counts as one token, and the first trace warns unless ``equal_weights``
+  says that is meant. Sums are kept in ``accumulator_dtype``; the gradient
   comes back in the parameters' dtype and the loss in the dtype ``loss_fn``
   returns (bfloat16 stays bfloat16, as with :func:`jax.value_and_grad`). A
   micro-batch with no tokens adds
@@ -123,7 +126,11 @@ def value_and_grad(
       micro-batches as ``aux_reduction`` says.
     has_state: whether ``loss_fn`` threads model state (see above).
     num_tokens_fn: maps a micro-batch to its scalar weight, e.g. its number of
-      unmasked tokens. None weighs every micro-batch the same.
+      unmasked tokens. None weighs every micro-batch the same, with a
+      ``UserWarning`` at the first trace unless ``equal_weights``.
+    equal_weights: True says that every micro-batch is meant to weigh the
+      same (they hold the same number of tokens), without ``num_tokens_fn``
+      and without the warning.
     loss_reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over the
       ``num_tokens_fn(microbatch)`` items of its micro-batch.
     axis_name: data-parallel axis (or axes) to sum over once after the loop:
@@ -220,8 +227,10 @@ def value_and_grad(
       ),
       has_aux=validation.check_bool("has_aux", has_aux),
       has_state=validation.check_bool("has_state", has_state),
-      num_tokens_fn=validation.check_optional_callable(
-          "num_tokens_fn", num_tokens_fn
+      num_tokens_fn=token_weighting.count_fn(
+          "oa.value_and_grad",
+          validation.check_optional_callable("num_tokens_fn", num_tokens_fn),
+          validation.check_bool("equal_weights", equal_weights),
       ),
       loss_reduction=validation.check_loss_reduction(loss_reduction),
       axis_name=validation.check_axis_name(axis_name),
