@@ -82,84 +82,6 @@ def _per_device(tree):
   return jax.tree.map(lambda x: x.reshape((N, -1) + x.shape[1:]), tree)
 
 
-# count_collectives on hand-written HLO.
-
-_HLO = """\
-HloModule m
-
-%add (a: f32[], b: f32[]) -> f32[] {
-  %a = f32[] parameter(0)
-  %b = f32[] parameter(1)
-  ROOT %s = f32[] add(%a, %b)
-}
-
-%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
-  %p = (s32[], f32[4]{0}) parameter(0)
-  %x = f32[4]{0} get-tuple-element(%p), index=1
-  %ar = f32[4]{0} all-reduce(%x), replica_groups={}, to_apply=%add
-  %ags = (f32[4]{0}, f32[8]{0}) all-gather-start(%x), dimensions={0}
-  %agd = f32[8]{0} all-gather-done(%ags)
-  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %ar)
-}
-
-%cond (p: (s32[], f32[4])) -> pred[] {
-  %p = (s32[], f32[4]{0}) parameter(0)
-  ROOT %lt = pred[] compare(%i, %n), direction=LT
-}
-
-%emit (x: f32[4]) -> f32[4] {
-  %x = f32[4]{0} parameter(0)
-  ROOT %rs = f32[4]{0} reduce-scatter(%x), dimensions={0}, to_apply=%add
-}
-
-%skip (x: f32[4]) -> f32[4] {
-  ROOT %x = f32[4]{0} parameter(0)
-}
-
-%scatter (x: f32[4]) -> f32[4] {
-  %x = f32[4]{0} parameter(0)
-  ROOT %rs = f32[4]{0} reduce-scatter(%x), dimensions={0}, to_apply=%add
-}
-
-%wrapped (x: f32[4]) -> f32[4] {
-  %x = f32[4]{0} parameter(0)
-  ROOT %cp = f32[4]{0} collective-permute(%x), source_target_pairs={{0,1}}
-}
-
-ENTRY %main (x: f32[4]) -> f32[4] {
-  %x = f32[4]{0} parameter(0)
-  %w = (s32[], f32[4]{0}) while(%t0), condition=%cond, body=%body
-  %c = f32[4]{0} conditional(%pred, %x, %x), branch_computations={%emit, %skip}
-  %f = f32[4]{0} fusion(%c), kind=kLoop, calls=%wrapped
-  %as = ((f32[4]{0}), f32[4]{0}) async-start(%f), calls=%scatter
-  %ad = f32[4]{0} async-done(%as), calls=%scatter
-  ROOT %a2a = f32[4]{0} all-to-all(%ad), dimensions={0}
-}
-"""
-
-
-def test_count_collectives_places_each_collective():
-  counts = oa.count_collectives(_HLO)
-  assert counts.in_loop == {"all-gather": 1, "all-reduce": 1}
-  assert counts.in_branch == {"reduce-scatter": 1}
-  assert counts.outside == {
-      "all-to-all": 1, "collective-permute": 1, "reduce-scatter": 1,
-  }
-  assert counts.total == {
-      "all-gather": 1, "all-reduce": 1, "all-to-all": 1,
-      "collective-permute": 1, "reduce-scatter": 2,
-  }
-
-
-def test_count_collectives_rejects_what_is_not_compiled_hlo():
-  lowered = jax.jit(jnp.sin).lower(1.0)
-  with pytest.raises(ValueError, match="StableHLO"):
-    oa.count_collectives(lowered.as_text())
-  with pytest.raises(TypeError, match="compiled program"):
-    oa.count_collectives(42)
-  assert oa.count_collectives(lowered).total == {}  # compiled for us.
-
-
 # value_and_grad inside shard_map and pmap.
 
 
@@ -555,12 +477,13 @@ def test_mesh_2d_example_matches_the_single_device_full_batch(
   )
   # The same, by mesh axis: the one collective in the loop is over "model"
   # (the model's own); over "data", one all-reduce after the loop.
-  by_axis = results["collectives_by_axis"]
-  assert set(by_axis) == {"data", "model"}, by_axis
-  assert by_axis["data"].in_loop == {}
-  assert by_axis["data"].outside == {"all-reduce": 1}
-  assert by_axis["model"].in_loop == results["model_only_collectives"].in_loop
-  assert results["naive_collectives_by_axis"]["data"].in_loop
+  by_axes = results["collectives_by_axis"]
+  assert set(by_axes) == {("data",), ("model",)}, by_axes
+  assert by_axes[("data",)].in_loop == {}
+  assert by_axes[("data",)].outside == {"all-reduce": 1}
+  assert by_axes[("model",)].in_loop == (
+      results["model_only_collectives"].in_loop)
+  assert results["naive_collectives_by_axis"][("data",)].in_loop
   printed = capsys.readouterr().out
   assert "optax_accum     data   none" in printed, printed
 

@@ -71,28 +71,6 @@ def test_folder_examples_run_as_scripts_from_anywhere(example, tmp_path):
   assert "(default: " in done.stdout
 
 
-def test_mesh_2d_labels_each_collective_with_its_mesh_axis():
-  collectives = helpers.import_example("mesh_2d/main").train.collectives
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
-  spellings = {  # what XLA prints, and which axis each one means.
-      "replica_groups={{0,2,4,6},{1,3,5,7}}": "data",
-      "replica_groups=[4,2]<=[8]": "model",
-      "replica_groups=[2,4]<=[4,2]T(1,0)": "data",
-      "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_0'}":
-          "data",
-      "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_2'}":
-          "model",
-      "replica_groups=mesh['axis_0'=2,'axis_1'=4],"
-      " device_ids=([4,2]T(1,0)) {'axis_0'}": "model",
-      "replica_groups={}": "data+model",
-      "replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}": "no axis",
-  }
-  for spelling, axis in spellings.items():
-    groups = collectives.replica_groups(f" all-reduce(%x), {spelling},", 8)
-    assert collectives.axes_of(groups, mesh) == axis, spelling
-  assert collectives.replica_groups("source_target_pairs={{0,1}}", 8) is None
-
-
 def test_batchnorm_linen_group_norm_is_exact_and_batch_norm_trains_as_well():
   batchnorm_linen = helpers.import_example("batchnorm_linen")
   k = 2

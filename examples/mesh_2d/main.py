@@ -47,9 +47,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
-def _by_place(by_axis, axis, place) -> str:
-  counts = getattr(by_axis[axis], place) if axis in by_axis else {}
+def _by_place(by_axes, axes, place) -> str:
+  counts = getattr(by_axes[axes], place) if axes in by_axes else {}
   return ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
+
+
+def _label(axes: tuple[str, ...]) -> str:
+  return "+".join(axes) or "none"  # (): groups of one device each.
 
 
 def print_report(results: dict[str, Any]) -> None:
@@ -61,15 +65,17 @@ def print_report(results: dict[str, Any]) -> None:
   print(f"max |params - 1 device params|   {results['param_max_abs_diff']:.2e}")
   print(f"gradient shardings               {results['grad_specs']}")
   print("\nCollectives of one compiled train step, by the mesh axis they run"
-        " over\n(read from replica_groups in the HLO):\n")
+        " over\n(oa.count_collectives(compiled, mesh=mesh).by_axes):\n")
   rows = [("optax_accum", results["collectives_by_axis"]),
           ("naive lax.scan", results["naive_collectives_by_axis"])]
-  axes = sorted({axis for _, by_axis in rows for axis in by_axis})
+  keys = sorted({axes for _, by_axes in rows for axes in by_axes},
+                key=lambda axes: (len(axes), axes))
   print(f"{'':<16}{'axis':<7}{'in the micro-batch loop':<30}after the loop")
-  for name, by_axis in rows:
-    for axis in axes:
-      print(f"{name:<16}{axis:<7}{_by_place(by_axis, axis, 'in_loop'):<30}"
-            f"{_by_place(by_axis, axis, 'outside')}")
+  for name, by_axes in rows:
+    for axes in keys:
+      print(f"{name:<16}{_label(axes):<7}"
+            f"{_by_place(by_axes, axes, 'in_loop'):<30}"
+            f"{_by_place(by_axes, axes, 'outside')}")
       name = ""
   print(
       "\nThe all-reduce over 'model' in the loop is the model's own: the"
@@ -78,7 +84,7 @@ def print_report(results: dict[str, Any]) -> None:
       f" {results['model_only_collectives'].in_loop} too). Over 'data',\n"
       "optax_accum sums the gradient once, after the loop; the naive loop sums"
       " it on\nevery micro-batch.")
-  model_outside = results["collectives_by_axis"].get("model")
+  model_outside = results["collectives_by_axis"].get(("model",))
   if model_outside and "all-gather" in model_outside.outside:
     print("With Explicit axes, jax also all-gathers the 'model'-sharded"
           " parameters and\ngradients at the boundary of the shard_map that"

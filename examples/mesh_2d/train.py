@@ -18,7 +18,6 @@ import optax
 
 import optax_accum as oa
 
-import collectives
 import data as data_lib
 import model
 
@@ -92,9 +91,11 @@ def run_on_mesh(args, tx, batch) -> dict[str, Any]:
   return {
       "losses": losses, "first_grads": first_grads, "params": params,
       "collectives": oa.count_collectives(compiled),
-      "collectives_by_axis": collectives.count_by_axis(compiled, mesh),
+      "collectives_by_axis": oa.count_collectives(
+          compiled, mesh=mesh).by_axes,
       "naive_collectives": oa.count_collectives(naive),
-      "naive_collectives_by_axis": collectives.count_by_axis(naive, mesh),
+      "naive_collectives_by_axis": oa.count_collectives(
+          naive, mesh=mesh).by_axes,
   }
 
 

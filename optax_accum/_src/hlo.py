@@ -1,10 +1,13 @@
 """Counting the collectives of a compiled program, by where they run."""
 
 import collections
+import itertools
+import math
 import re
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 COLLECTIVES = (
     "all-reduce",
@@ -28,6 +31,19 @@ _CALLED = re.compile(
     r"\b(condition|body|to_apply|calls|branch_computations|true_computation"
     r"|false_computation)=(\{[^}]*\}|%?[^\s,)]+)"
 )
+# The spellings of a collective's device groups in HLO text: listed groups
+# ({{0,1},{2,3}}; {} is every device), XLA's iota list ([2,4]<=[8],
+# [4,2]<=[2,4]T(1,0)), and Shardy's mesh axes (mesh['x'=2,'y'=4] {'y'}).
+_INT_GROUPS = r"\{((?:\{[\d,\s]*\},?\s*)*)\}"
+_LISTED_GROUPS = re.compile(r"replica_groups=" + _INT_GROUPS)
+_SOURCE_TARGET_PAIRS = re.compile(r"source_target_pairs=" + _INT_GROUPS)
+_IOTA_GROUPS = re.compile(
+    r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=\(((?:[^()]|\([^()]*\))*)\))?\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"'?([^'=,\s]+)'?=(\d+)")
+_GROUP_AXIS = re.compile(r"'?([^':,\s]+)'?(?::\((\d+)\)(\d+))?")
 _LOOP_ATTRIBUTES = ("condition", "body")
 _BRANCH_ATTRIBUTES = (
     "branch_computations",
@@ -56,6 +72,150 @@ class CollectiveCounts(NamedTuple):
   in_loop: dict[str, int]  # inside a while loop (a scan, a fori_loop).
   in_branch: dict[str, int]  # inside a branch of a conditional (lax.cond).
   outside: dict[str, int]  # neither in a loop nor in a branch: once per call.
+  # With count_collectives(mesh=...): the mesh axes a collective's device
+  # groups span (in mesh order) -> the counts of those collectives alone.
+  by_axes: dict[tuple[str, ...], "CollectiveCounts"] | None = None
+
+
+def _ints(text: str | None) -> list[int]:
+  return [int(i) for i in text.split(",") if i.strip()] if text else []
+
+
+def _iota(dims: list[int], perm: list[int]) -> np.ndarray:
+  """XLA's iota device list: 0, 1, ... shaped ``dims``, permuted by ``perm``."""
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  return ids.transpose(perm) if perm else ids
+
+
+def _listed(text: str) -> list[list[int]]:
+  return [_ints(group) for group in re.findall(r"\{([^}]*)\}", text)]
+
+
+def _mesh_axes_groups(match: re.Match[str]) -> list[list[int]]:
+  """Shardy's ``mesh[...] {axes}`` device groups, as lists of device ids.
+
+  A group axis ``'x':(p)s`` is a sub-axis: axis ``x`` viewed as major to minor
+  dimensions ``[p, s, rest]``, grouping over the middle one.
+  """
+  mesh_text, device_ids, group_text = match.groups()
+  sizes = {name: int(size) for name, size in _MESH_AXIS.findall(mesh_text)}
+  cuts = {name: {1, size} for name, size in sizes.items()}
+  grouped = []  # (axis name, pre-size, size) of each group axis.
+  for name, pre, size in _GROUP_AXIS.findall(group_text):
+    pre, size = (int(pre), int(size)) if size else (1, sizes[name])
+    cuts[name] |= {pre, pre * size}
+    grouped.append((name, pre))
+  dims, grouped_dims = [], []
+  for name in sizes:  # each axis split at its sub-axes' boundaries.
+    bounds = sorted(cuts[name])
+    for low, high in itertools.pairwise(bounds):
+      if (name, low) in grouped:
+        grouped_dims.append(len(dims))
+      dims.append(high // low)
+  if device_ids and device_ids.startswith("["):  # [dims]T(perm), or iota.
+    iota = re.fullmatch(
+        r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?", device_ids)
+    if iota is None:
+      raise ValueError(f"Cannot read the mesh's device_ids=({device_ids}).")
+    shape, reshape, perm = (_ints(group) for group in iota.groups())
+    ids = _iota(reshape or shape, perm)
+  else:
+    ids = np.array(_ints(device_ids) or range(math.prod(sizes.values())))
+  kept = [d for d in range(len(dims)) if d not in grouped_dims]
+  group_size = math.prod(dims[d] for d in grouped_dims)
+  ids = ids.reshape(dims).transpose(kept + grouped_dims)
+  return ids.reshape(-1, group_size).tolist()
+
+
+def _device_groups(
+    attributes: str, num_devices: int
+) -> list[list[int]] | None:
+  """The logical device ids each group of a collective combines, or None.
+
+  Logical ids are positions in the program's device assignment (partition
+  ids under ``jit``, replica ids under ``pmap``). A collective-permute's
+  source-target pairs count as groups of two.
+  """
+  if match := _LISTED_GROUPS.search(attributes):
+    return _listed(match.group(1)) or [list(range(num_devices))]
+  if match := _SOURCE_TARGET_PAIRS.search(attributes):
+    return _listed(match.group(1))
+  if match := _IOTA_GROUPS.search(attributes):
+    shape, dims, perm = (_ints(group) for group in match.groups())
+    return _iota(dims, perm).reshape(shape).tolist()
+  if match := _MESH_GROUPS.search(attributes):
+    return _mesh_axes_groups(match)
+  if "replica_groups=" in attributes or "source_target_pairs=" in attributes:
+    return None
+  return [list(range(num_devices))]  # no groups given: every device.
+
+
+def _logical_to_mesh_position(program: Any, mesh: Any) -> np.ndarray:
+  """For each logical device id of ``program``, its flat index in ``mesh``.
+
+  A compiled program tells its device assignment; for HLO text, an abstract
+  mesh, or a program spanning several processes, the mesh's own device order
+  is assumed, which is the order ``jit`` under that mesh uses.
+  """
+  identity = np.arange(math.prod(mesh.axis_sizes))
+  if not (isinstance(mesh, jax.sharding.Mesh)
+          and isinstance(program, jax.stages.Compiled)):
+    return identity
+  devices = program.runtime_executable().local_devices()
+  if len(devices) != mesh.devices.size:  # several processes: local devices.
+    return identity
+  where = {device: i for i, device in enumerate(mesh.devices.flat)}
+  if any(device not in where for device in devices):
+    raise ValueError(
+        f"mesh has devices {list(mesh.devices.flat)}, but the program runs on"
+        f" {list(devices)}: pass the mesh the program was compiled for."
+    )
+  return np.array([where[device] for device in devices])
+
+
+def _axes_spanned(
+    groups: list[list[int]], positions: np.ndarray, mesh: Any
+) -> tuple[str, ...]:
+  """The mesh axes along which the devices of some group differ, in order."""
+  varies = np.zeros(len(mesh.axis_sizes), bool)
+  for group in groups:
+    if max(group, default=0) >= len(positions):
+      raise ValueError(
+          f"A collective combines devices {group}, but mesh has only"
+          f" {len(positions)} devices: pass the mesh the program was compiled"
+          " for."
+      )
+    coords = np.stack(np.unravel_index(positions[group], mesh.axis_sizes))
+    varies |= (coords != coords[:, :1]).any(axis=1)
+  return tuple(name for name, v in zip(mesh.axis_names, varies) if v)
+
+
+class _Tally:
+  """Counts of collectives by place, filled while walking the program."""
+
+  def __init__(self):
+    self.total = collections.Counter()
+    self.in_loop = collections.Counter()
+    self.in_branch = collections.Counter()
+    self.outside = collections.Counter()
+
+  def add(self, collective: str, looped: bool, branched: bool) -> None:
+    self.total[collective] += 1
+    if looped:
+      self.in_loop[collective] += 1
+    if branched:
+      self.in_branch[collective] += 1
+    if not (looped or branched):
+      self.outside[collective] += 1
+
+  def counts(self, by_axes=None) -> CollectiveCounts:
+    return CollectiveCounts(
+        total=dict(sorted(self.total.items())),
+        in_loop=dict(sorted(self.in_loop.items())),
+        in_branch=dict(sorted(self.in_branch.items())),
+        outside=dict(sorted(self.outside.items())),
+        by_axes=by_axes,
+    )
 
 
 def _hlo_text(program: Any) -> str:
@@ -124,7 +284,10 @@ def _parse(text: str) -> tuple[str, dict[str, list[tuple[str, str]]]]:
   return entry, computations
 
 
-def count_collectives(program: Any) -> CollectiveCounts:
+def count_collectives(
+    program: Any,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+) -> CollectiveCounts:
   """Counts the collectives of a compiled program, inside and outside loops.
 
   Accumulating gradients should communicate once per optimizer update, not
@@ -136,15 +299,36 @@ def count_collectives(program: Any) -> CollectiveCounts:
   branch of :func:`optax_accum.accumulate`) or outside both. Counts are static:
   one per instruction in the program text, whatever the trip count.
 
+  With ``mesh``, the counts are also split by the mesh axes each collective
+  runs over, read from its device groups (``replica_groups``, or a
+  collective-permute's ``source_target_pairs``): the axes along which the
+  devices of a group differ. On a model-parallel mesh this tells the gradient
+  reduction over the data axes from the model's own collectives over the
+  tensor axis. An axis of size 1 never appears (no group varies along it); a
+  collective whose groups are single devices has the key ``()``; a reduction
+  over every device has every axis of size above 1.
+
   Args:
     program: a compiled program (``jax.jit(f).lower(*args).compile()``), a
       lowered one (it is compiled), or its HLO text (``compiled.as_text()``).
+    mesh: the :class:`jax.sharding.Mesh` the program was compiled for (or an
+      :class:`jax.sharding.AbstractMesh` of its shape), to count by mesh axes.
+      The device ids in HLO text are read in the mesh's device order
+      (``mesh.devices.flat``), the order ``jit`` under the mesh uses; a
+      compiled program's own device assignment is used when it has one.
 
   Returns:
     A :class:`CollectiveCounts` of dicts mapping collective names to counts:
     ``total``, ``in_loop``, ``in_branch`` and ``outside``. A collective in a
     branch of a conditional inside a loop counts in both ``in_loop`` and
-    ``in_branch``.
+    ``in_branch``. With ``mesh``, ``by_axes`` maps each tuple of mesh axis
+    names (in mesh order) to the :class:`CollectiveCounts` of the collectives
+    over exactly those axes; without it, ``by_axes`` is None.
+
+  Raises:
+    ValueError: if ``program`` is not compiled HLO, or with ``mesh`` if a
+      collective's device groups name devices outside ``mesh`` or are written
+      in a form this does not read.
 
   Examples:
     >>> import jax
@@ -160,12 +344,30 @@ def count_collectives(program: Any) -> CollectiveCounts:
     >>> counts = oa.count_collectives(jax.jit(f).lower(jnp.ones(3)).compile())
     >>> counts.in_loop, counts.outside
     ({'all-reduce': 1}, {'all-reduce': 1})
+
+    By mesh axis: on a 2 x 4 mesh, an all-reduce over ``'model'`` (devices
+    0-3, 4-7) in the loop and one over ``'data'`` (0 and 4, 1 and 5, ...)
+    after it, in two of the ways XLA writes device groups:
+
+    >>> hlo = '''
+    ... %body (p: f32[8]) -> f32[8] {
+    ...   ROOT %m = f32[8] all-reduce(%p), replica_groups={{0,1,2,3},{4,5,6,7}}
+    ... }
+    ... ENTRY %main (x: f32[8]) -> f32[8] {
+    ...   %w = f32[8] while(%x), condition=%cond, body=%body
+    ...   ROOT %d = f32[8] all-reduce(%w), replica_groups=[4,2]<=[2,4]T(1,0)
+    ... }'''
+    >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+    >>> for axes, counts in oa.count_collectives(hlo, mesh).by_axes.items():
+    ...   print(axes, counts.in_loop, counts.outside)
+    ('data',) {} {'all-reduce': 1}
+    ('model',) {'all-reduce': 1} {}
   """
   entry, computations = _parse(_hlo_text(program))
-  total = collections.Counter()
-  in_loop = collections.Counter()
-  in_branch = collections.Counter()
-  outside = collections.Counter()
+  positions = None if mesh is None else _logical_to_mesh_position(
+      program, mesh)
+  tally = _Tally()
+  tally_by_axes = collections.defaultdict(_Tally)
 
   def visit(name, looped, branched, path):
     if name in path:  # not expected in HLO; guards against a malformed text.
@@ -173,13 +375,10 @@ def count_collectives(program: Any) -> CollectiveCounts:
     for opcode, rest in computations.get(name, ()):
       collective = _OPCODE_TO_COLLECTIVE.get(opcode)
       if collective is not None:
-        total[collective] += 1
-        if looped:
-          in_loop[collective] += 1
-        if branched:
-          in_branch[collective] += 1
-        if not (looped or branched):
-          outside[collective] += 1
+        tally.add(collective, looped, branched)
+        if positions is not None:
+          axes = _collective_axes(rest, positions, mesh)
+          tally_by_axes[axes].add(collective, looped, branched)
       if opcode in _ASYNC_CONTINUATIONS:  # the same computation as its start.
         continue
       for attribute, called in _CALLED.findall(rest):
@@ -194,9 +393,22 @@ def count_collectives(program: Any) -> CollectiveCounts:
             )
 
   visit(entry, False, False, frozenset())
-  return CollectiveCounts(
-      total=dict(sorted(total.items())),
-      in_loop=dict(sorted(in_loop.items())),
-      in_branch=dict(sorted(in_branch.items())),
-      outside=dict(sorted(outside.items())),
-  )
+  if mesh is None:
+    return tally.counts()
+  order = {name: i for i, name in enumerate(mesh.axis_names)}
+  keys = sorted(tally_by_axes, key=lambda k: (len(k), [order[n] for n in k]))
+  return tally.counts({axes: tally_by_axes[axes].counts() for axes in keys})
+
+
+def _collective_axes(
+    attributes: str, positions: np.ndarray, mesh: Any
+) -> tuple[str, ...]:
+  """The mesh axes a collective's device groups span, read from its text."""
+  groups = _device_groups(attributes, len(positions))
+  if groups is None:
+    text = attributes if len(attributes) < 200 else attributes[:200] + "..."
+    raise ValueError(
+        f"Cannot read the device groups of the collective `{text}`: please"
+        " report it, with the jax version."
+    )
+  return _axes_spanned(groups, positions, mesh)

@@ -1,0 +1,260 @@
+"""The HLO reader behind ``oa.count_collectives``: places and mesh axes.
+
+Places (in a loop, in a branch, outside) are read from hand-written HLO. Mesh
+axes are read from the device groups of programs compiled on 8 simulated
+devices (every spelling XLA uses: listed groups, iota lists, Shardy's mesh
+axes, source-target pairs) and from hand-written groups for the spellings a
+small program does not produce.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import optax_accum as oa
+
+_HLO = """\
+HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%p), index=1
+  %ar = f32[4]{0} all-reduce(%x), replica_groups={}, to_apply=%add
+  %ags = (f32[4]{0}, f32[8]{0}) all-gather-start(%x), dimensions={0}
+  %agd = f32[8]{0} all-gather-done(%ags)
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %ar)
+}
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%emit (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %rs = f32[4]{0} reduce-scatter(%x), dimensions={0}, to_apply=%add
+}
+
+%skip (x: f32[4]) -> f32[4] {
+  ROOT %x = f32[4]{0} parameter(0)
+}
+
+%scatter (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %rs = f32[4]{0} reduce-scatter(%x), dimensions={0}, to_apply=%add
+}
+
+%wrapped (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %cp = f32[4]{0} collective-permute(%x), source_target_pairs={{0,1}}
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %w = (s32[], f32[4]{0}) while(%t0), condition=%cond, body=%body
+  %c = f32[4]{0} conditional(%pred, %x, %x), branch_computations={%emit, %skip}
+  %f = f32[4]{0} fusion(%c), kind=kLoop, calls=%wrapped
+  %as = ((f32[4]{0}), f32[4]{0}) async-start(%f), calls=%scatter
+  %ad = f32[4]{0} async-done(%as), calls=%scatter
+  ROOT %a2a = f32[4]{0} all-to-all(%ad), dimensions={0}
+}
+"""
+
+
+def test_count_collectives_places_each_collective():
+  counts = oa.count_collectives(_HLO)
+  assert counts.in_loop == {"all-gather": 1, "all-reduce": 1}
+  assert counts.in_branch == {"reduce-scatter": 1}
+  assert counts.outside == {
+      "all-to-all": 1, "collective-permute": 1, "reduce-scatter": 1,
+  }
+  assert counts.total == {
+      "all-gather": 1, "all-reduce": 1, "all-to-all": 1,
+      "collective-permute": 1, "reduce-scatter": 2,
+  }
+  assert counts.by_axes is None  # no mesh given.
+
+
+def test_count_collectives_rejects_what_is_not_compiled_hlo():
+  lowered = jax.jit(jnp.sin).lower(1.0)
+  with pytest.raises(ValueError, match="StableHLO"):
+    oa.count_collectives(lowered.as_text())
+  with pytest.raises(TypeError, match="compiled program"):
+    oa.count_collectives(42)
+  assert oa.count_collectives(lowered).total == {}  # compiled for us.
+
+
+def test_by_axes_splits_the_places_of_every_collective():
+  """Groups absent or {} mean every device: all axes of size above 1."""
+  mesh = jax.sharding.AbstractMesh((2, 1, 4), ("data", "fsdp", "model"))
+  text = _HLO.replace(
+      "source_target_pairs={{0,1}}", "source_target_pairs={{0,1},{1,0}}")
+  counts = oa.count_collectives(text, mesh=mesh)
+  assert list(counts.by_axes) == [("model",), ("data", "model")]
+  over_model = counts.by_axes[("model",)]
+  assert over_model.total == over_model.outside == {"collective-permute": 1}
+  for place in ("total", "in_loop", "in_branch", "outside"):
+    summed = {}
+    for by_place in counts.by_axes.values():
+      for name, n in getattr(by_place, place).items():
+        summed[name] = summed.get(name, 0) + n
+    assert summed == getattr(counts, place), place
+
+
+# Programs compiled on 8 simulated devices (tests/conftest.py).
+
+_MESHES = {
+    (2, 4): ("a", "b"),
+    (2, 2, 2): ("a", "b", "c"),
+    (1, 8): ("a", "b"),
+}
+
+
+def _auto_mesh(shape, names):
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _subsets(names):
+  return [axes for r in (1, 2, 3) for axes in itertools.combinations(names, r)]
+
+
+def _spanned(mesh, axes):
+  """The expected key: the reduced axes of size above 1, in mesh order."""
+  return tuple(name for name in mesh.axis_names
+               if name in axes and mesh.shape[name] > 1)
+
+
+def _by_axes(f, mesh, *args):
+  compiled = jax.jit(f).lower(*args).compile()
+  return oa.count_collectives(compiled, mesh=mesh).by_axes
+
+
+@pytest.mark.parametrize(
+    "shape, axes",
+    [(shape, axes) for shape, names in _MESHES.items()
+     for axes in _subsets(names)],
+    ids=str,
+)
+def test_by_axes_of_a_psum_over_mesh_axes(shape, axes):
+  mesh = _auto_mesh(shape, _MESHES[shape])
+  reversed_axes = axes[::-1]  # a psum names axes in any order.
+  f = jax.shard_map(lambda x: jax.lax.psum(x, reversed_axes), mesh=mesh,
+                    in_specs=P(mesh.axis_names), out_specs=P(),
+                    check_vma=False)
+  by_axes = _by_axes(f, mesh, jnp.ones(8))
+  assert list(by_axes) == [_spanned(mesh, axes)]
+  assert by_axes[_spanned(mesh, axes)].outside == {"all-reduce": 1}
+
+
+def test_by_axes_of_gathers_scatters_and_permutes():
+  mesh = _auto_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+
+  def step(x):
+    gathered = jax.lax.all_gather(x, "tensor", tiled=True)
+    scattered = jax.lax.psum_scatter(gathered, ("data", "fsdp"), tiled=True)
+    shifted = jax.lax.ppermute(x, "fsdp", [(0, 1), (1, 0)])
+    return scattered.sum() + shifted.sum()
+
+  f = jax.shard_map(step, mesh=mesh, in_specs=P(mesh.axis_names),
+                    out_specs=P(), check_vma=False)
+  by_axes = _by_axes(f, mesh, jnp.ones(32))
+  assert by_axes[("tensor",)].total == {"all-gather": 1}
+  assert by_axes[("fsdp",)].total == {"collective-permute": 1}
+  assert by_axes[("data", "fsdp")].total == {"reduce-scatter": 1}
+
+
+def test_by_axes_of_the_gradient_reduction_jit_inserts():
+  """Replicated parameters, a batch over two axes: one all-reduce over both."""
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+  loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.ones((8, 4)), P(("data", "fsdp")))
+    by_axes = _by_axes(jax.grad(loss), mesh, jnp.ones((4, 4)), x)
+  assert list(by_axes) == [("data", "fsdp")]
+  assert by_axes[("data", "fsdp")].total == {"all-reduce": 1}
+
+
+def test_by_axes_of_an_fsdp_and_tensor_parallel_gradient():
+  """Parameters over fsdp x tensor: XLA's iota groups, read axis by axis."""
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+  loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))
+  with jax.set_mesh(mesh):
+    w = jax.device_put(jnp.ones((16, 16)), P("fsdp", "tensor"))
+    x = jax.device_put(jnp.ones((8, 16)), P(("data", "fsdp")))
+    compiled = jax.jit(jax.grad(loss)).lower(w, x).compile()
+  counts = oa.count_collectives(compiled, mesh=mesh)
+  assert counts.by_axes  # every collective got its axes.
+  assert ("tensor",) not in counts.by_axes  # the batch is not over tensor.
+  assert counts.by_axes[("fsdp",)].total.get("all-gather") == 1  # params.
+  assert sum(sum(c.total.values()) for c in counts.by_axes.values()) == sum(
+      counts.total.values())
+
+
+def test_by_axes_follows_the_program_device_order():
+  """On a mesh whose devices are not in id order, groups are positions."""
+  devices = np.array(jax.devices())[[3, 1, 7, 5, 0, 2, 4, 6]].reshape(2, 4)
+  mesh = Mesh(devices, ("a", "b"))
+  f = jax.shard_map(lambda x: jax.lax.psum(x, "a"), mesh=mesh,
+                    in_specs=P(("a", "b")), out_specs=P(), check_vma=False)
+  compiled = jax.jit(f).lower(jnp.ones(8)).compile()
+  assert list(oa.count_collectives(compiled, mesh=mesh).by_axes) == [("a",)]
+  text = compiled.as_text()  # ids in the mesh's order as well.
+  assert list(oa.count_collectives(text, mesh=mesh).by_axes) == [("a",)]
+  # The same program read against a mesh of other devices is refused.
+  other = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+  with pytest.raises(ValueError, match="compiled for"):
+    oa.count_collectives(compiled, mesh=other)
+
+
+# Spellings of device groups, hand-written.
+
+_DATA_MODEL = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
+
+
+@pytest.mark.parametrize("groups, axes", [
+    ("replica_groups={{0,2,4,6},{1,3,5,7}}", ("data",)),
+    ("replica_groups=[4,2]<=[8]", ("model",)),
+    ("replica_groups=[2,4]<=[4,2]T(1,0)", ("data",)),
+    ("replica_groups={}", ("data", "model")),
+    ("replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}", ()),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_0'}",
+     ("data",)),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_2'}",
+     ("model",)),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4],"
+     " device_ids=([4,2]T(1,0)) {'axis_0'}", ("model",)),
+    ("replica_groups=mesh['x'=2,'y'=4], device_ids=(0,2,4,6,1,3,5,7) {'x'}",
+     ("model",)),
+    ("replica_groups=mesh['x'=8] {'x':(2)2}", ("data",)),  # ids 0, 2.
+    ("replica_groups=mesh['x'=8] {'x':(1)2,'x':(4)2}", ("data", "model")),
+    ("source_target_pairs={{0,2},{2,4},{4,6},{6,0}}", ("data",)),
+])
+def test_by_axes_reads_each_spelling_of_device_groups(groups, axes):
+  text = ("ENTRY %main (x: f32[8]) -> f32[8] {\n"
+          f"  ROOT %c = f32[8] all-reduce(%x), {groups}, to_apply=%add\n}}")
+  assert list(oa.count_collectives(text, mesh=_DATA_MODEL).by_axes) == [axes]
+
+
+@pytest.mark.parametrize("groups, message", [
+    ("replica_groups={{0,8}}", "only 8 devices"),
+    ("replica_groups=<unknown>", "Cannot read the device groups"),
+    ("replica_groups=mesh['x'=8], device_ids=([8]Q) {'x'}", "device_ids"),
+])
+def test_by_axes_refuses_groups_it_cannot_place(groups, message):
+  text = ("ENTRY %main (x: f32[8]) -> f32[8] {\n"
+          f"  ROOT %c = f32[8] all-reduce(%x), {groups}, to_apply=%add\n}}")
+  assert oa.count_collectives(text).total == {"all-reduce": 1}
+  with pytest.raises(ValueError, match=message):
+    oa.count_collectives(text, mesh=_DATA_MODEL)
