@@ -66,6 +66,9 @@ class CollectiveCounts(NamedTuple):
     in_loop: inside a while loop (a scan, a fori_loop): once per iteration.
     in_branch: inside a branch of a conditional (``lax.cond``).
     outside: neither in a loop nor in a branch: once per call.
+    by_axes: with ``count_collectives(..., mesh=mesh)``, a dict from a tuple
+      of mesh axis names (in mesh order) to the counts of the collectives
+      whose device groups span exactly those axes; None without a mesh.
   """
 
   total: dict[str, int]  # everywhere in the program.
