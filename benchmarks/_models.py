@@ -109,3 +109,70 @@ def build_model(spec):
 
 def batch_size_of(batch):
   return jax.tree.leaves(batch)[0].shape[0]
+
+
+# A Llama-shaped decoder, abstract: shapes and shardings only, never allocated.
+
+
+def _rms_norm(x, scale):
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+  return (x32 * scale).astype(x.dtype)
+
+
+def llama_shapes(layers, d_model, ffn, heads, kv_heads, vocab):
+  """The parameter shapes, per-layer weights stacked for a scan over layers."""
+  head_dim = d_model // heads
+  stacked = {
+      "attn_norm": (d_model,), "wq": (d_model, heads * head_dim),
+      "wk": (d_model, kv_heads * head_dim),
+      "wv": (d_model, kv_heads * head_dim), "wo": (heads * head_dim, d_model),
+      "mlp_norm": (d_model,), "w_gate": (d_model, ffn), "w_up": (d_model, ffn),
+      "w_down": (ffn, d_model),
+  }
+  return {
+      "embed": (vocab, d_model),
+      "layers": {name: (layers, *shape) for name, shape in stacked.items()},
+      "final_norm": (d_model,),
+      "unembed": (d_model, vocab),
+  }
+
+
+def make_llama_loss(heads, kv_heads):
+  """``loss_fn(params, batch)``: token-weighted next-token cross-entropy.
+
+  The layers run in a ``lax.scan`` over the stacked weights (one layer's
+  program, compiled once) with ``jax.checkpoint``, as large models train:
+  only each layer's input is kept for the backward pass. Attention is causal
+  with grouped-query heads; RoPE is left out (it changes no shape).
+  """
+
+  def layer(x, p):
+    b, t, d = x.shape
+    head_dim = d // heads
+    h = _rms_norm(x, p["attn_norm"])
+    q = (h @ p["wq"]).reshape(b, t, heads, head_dim)
+    k = (h @ p["wk"]).reshape(b, t, kv_heads, head_dim)
+    v = (h @ p["wv"]).reshape(b, t, kv_heads, head_dim)
+    k, v = (jnp.repeat(a, heads // kv_heads, axis=2) for a in (k, v))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+    causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+    weights = jax.nn.softmax(jnp.where(causal, logits / math.sqrt(head_dim),
+                                       -1e9), axis=-1).astype(x.dtype)
+    attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+    x = x + attended @ p["wo"]
+    h = _rms_norm(x, p["mlp_norm"])
+    return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+
+  def loss_fn(params, batch):
+    x = params["embed"][batch["inputs"]]
+    x, _ = jax.lax.scan(
+        lambda x, p: (jax.checkpoint(layer)(x, p), None), x, params["layers"])
+    logits = (_rms_norm(x, params["final_norm"]) @ params["unembed"]).astype(
+        jnp.float32)
+    losses = -jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                  batch["targets"][..., None], -1)[..., 0]
+    mask = batch["mask"]
+    return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+  return loss_fn

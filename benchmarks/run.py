@@ -35,6 +35,7 @@ BENCHMARKS = (
     "bench_coupled",         # f. a loss coupling the batch vs the full batch
     "bench_noise_scale",     # g. with_stats=True vs without
     "bench_no_sync",         # h. one jit call per micro-batch: deferred sync
+    "bench_plan_8b",         # i. planning k for an 8B model, never allocated
 )
 RESULTS_DIR = os.path.join(_HERE, "results")
 
