@@ -92,8 +92,9 @@ def plan(cfg):
           "gather_params": chosen.gather_params,
           "memory_bytes": chosen.memory_bytes,
           "collectives_per_update": chosen.collectives_per_update}
-    except ValueError as e:  # nothing fits: the message holds the table.
-      table, choice = (), {"error": str(e).splitlines()[0]}
+    except ValueError as e:  # nothing fits: the message prints the table.
+      message = str(e).splitlines()
+      table, choice = (), {"error": message[0], "table_text": message[1:]}
     plans.append({
         "budget_gib": budget_gib, "seconds": time.perf_counter() - start,
         "cpu_seconds": time.process_time() - cpu_start,
@@ -166,8 +167,11 @@ def markdown(result):
         f" gather_params={c['gather_params']}")
     lines += [f"Budget {p['budget_gib']:g} GiB per device: {choice};"
               f" planning took {p['seconds']:.1f} s ({p['cpu_seconds']:.1f} s"
-              " of CPU).", "",
-              "| k | gradient_sync | gather_params | memory/device |"
+              " of CPU).", ""]
+    if "table_text" in c:
+      lines += ["```text", *c["table_text"], "```", ""]
+      continue
+    lines += ["| k | gradient_sync | gather_params | memory/device |"
               " collectives/update (in loop) | fits |",
               "|---|---|---|---|---|---|"]
     for r in p["table"]:
