@@ -176,3 +176,33 @@ def test_a_second_call_with_new_values_does_not_retrace(axis_name):
     out = step(params, jax.tree.map(lambda x: x + 1.0, batch))
   # The other batch has other tokens: its own full-batch gradient.
   _assert_exact(out, params, jax.tree.map(lambda x: x + 1.0, batch))
+
+
+def test_model_state_that_differs_by_device_comes_back_as_one():
+  """A key in the state (NNX's dropout stream), folded by device: no crash.
+
+  Floating leaves are averaged over the devices; a key or an int is the
+  first device's.
+  """
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+
+  def loss(w, state, mb, *, rng):
+    key, seen, scale = state
+    return jnp.mean(mb * w), (rng, seen + jnp.int32(mb.shape[0]),
+                              scale + jnp.mean(mb))
+
+  fn = oa.value_and_grad(loss, num_microbatches=2, has_state=True,
+                         axis_name="data", equal_weights=True)
+  state = (jax.random.key(0), jnp.int32(0), jnp.float32(0.0))
+  with jax.set_mesh(mesh):
+    batch = jax.device_put(jnp.arange(16.0), P("data"))
+    (_, (key, seen, scale)), _ = jax.jit(fn)(1.0, state, batch,
+                                             rng=jax.random.key(1))
+  # The first device's last micro-batch key: device 0, micro-batch 1.
+  expected = jax.random.fold_in(jax.random.fold_in(jax.random.key(1), 0), 1)
+  np.testing.assert_array_equal(jax.random.key_data(key),
+                                jax.random.key_data(expected))
+  assert int(seen) == 2  # each device's count: one row per micro-batch.
+  # Each device adds its 2 micro-batches' means; the devices' mean of that:
+  np.testing.assert_allclose(float(scale), 2 * np.arange(16.0).mean(),
+                             rtol=1e-6)

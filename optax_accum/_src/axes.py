@@ -125,10 +125,3 @@ def device_local(tree: Any, axis_name: AxisName) -> Any:
 
 def is_floating(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
-
-def floats_device_local(tree: Any, axis_name: AxisName) -> Any:
-  """Marks the floating leaves of ``tree`` as device-local over the axis."""
-  return jax.tree.map(
-      lambda x: device_local(x, axis_name) if is_floating(x) else x, tree
-  )

@@ -77,8 +77,30 @@ def zeros_like_partials(tree: Any) -> Any:
   return jax.tree.map(zeros_like, tree)
 
 
-def mean_of_floats(tree: Any, axis_name: axes.AxisName) -> Any:
-  """Averages the floating leaves of ``tree`` over the axis (model state)."""
+def _first_device(x: Any, axis_name: axes.AxisName) -> Any:
+  """The first device's ``x``, on every device (a key, an int, a bool)."""
+  is_key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+  data = jax.random.key_data(x) if is_key else x
+  is_bool = data.dtype == jnp.bool_
+  if is_bool:
+    data = data.astype(jnp.int32)
+  first = lax.axis_index(axis_name) == 0
+  data = lax.psum(jnp.where(first, data, jnp.zeros_like(data)), axis_name)
+  if is_bool:
+    data = data.astype(jnp.bool_)
+  if is_key:
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+  return data
+
+
+def model_state_over(tree: Any, axis_name: axes.AxisName) -> Any:
+  """The model state after a data-parallel loop, the same on every device.
+
+  Floating leaves (BatchNorm statistics) are averaged over the axis; the
+  others (PRNG keys, counters), which no average suits, are the first
+  device's.
+  """
   return jax.tree.map(
-      lambda x: lax.pmean(x, axis_name) if axes.is_floating(x) else x, tree
+      lambda x: lax.pmean(x, axis_name) if axes.is_floating(x)
+      else _first_device(x, axis_name), tree
   )

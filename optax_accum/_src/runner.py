@@ -76,7 +76,7 @@ def reduce(partials: stages.Partials, lay: fsdp.Layout) -> stages.Partials:
   minima = lax.pmin(partials.minima, axis_name) if partials.minima else []
   means = partials.means
   if means is not None:
-    means = partial_sums.mean_of_floats(means, axis_name)
+    means = partial_sums.model_state_over(means, axis_name)
   return partials._replace(grads=grads, sums=sums, maxima=maxima,
                            minima=minima, means=means)
 
@@ -90,7 +90,9 @@ def on_device(program: stages.Program, settings: Settings, params: Any,
   """
   lay = _layout(program, settings, params)
   if inputs.model_state is not None:
-    inputs = inputs._replace(model_state=axes.floats_device_local(
+    # Device-local, so that a leaf the loop makes differ by device (a key
+    # folded with the device's index) keeps the scan carry's type.
+    inputs = inputs._replace(model_state=axes.device_local(
         inputs.model_state, lay.axis_name))
   # The loop differentiates with respect to device-local whole parameters,
   # so that autodiff does not sum gradients over the axis on every micro-step.

@@ -113,7 +113,7 @@ def value_and_grad(
   per device); ``*args``, ``**kwargs``, ``rng`` and batch leaves with
   ``batch_axes`` None are replicated. With ``has_state`` and ``axis_name``,
   the floating leaves of the model state are averaged over the axis after
-  the loop.
+  the loop, and the others (a PRNG key, a counter) are the first device's.
 
   Args:
     loss_fn: ``loss_fn(params, microbatch, *args, **kwargs)`` returning a
