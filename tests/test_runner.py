@@ -187,7 +187,7 @@ def test_model_state_that_differs_by_device_comes_back_as_one():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
 
   def loss(w, state, mb, *, rng):
-    key, seen, scale = state
+    _, seen, scale = state
     return jnp.mean(mb * w), (rng, seen + jnp.int32(mb.shape[0]),
                               scale + jnp.mean(mb))
 
