@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_accum._src import emitting
+from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import incoming_grads
 from optax_accum._src import noise_scale
 from optax_accum._src import partial_sums
@@ -109,7 +110,7 @@ def _drops(updates, tokens, state, params, skip_nonfinite, should_skip):
   return _Drops(nonfinite=nonfinite, skipped=skipped)
 
 
-def _add_to_sum(grad_sum, updates, contribution, cycle_start):
+def _add_to_sum(grad_sum, updates, contribution, cycle_start, rules):
   """The running sum after this micro-step, with the lazy reset.
 
   The call that starts a cycle (``micro_step == 0``) adds to zeros instead of
@@ -120,10 +121,8 @@ def _add_to_sum(grad_sum, updates, contribution, cycle_start):
   a non-emitting call is one fused in-place pass over the sum, and the
   conditional only reads it.
   """
-  restarted = jax.tree.map(
-      lambda s: jnp.where(cycle_start, jnp.zeros([], s.dtype), s), grad_sum
-  )
-  return token_weighting.add(restarted, updates, contribution)
+  restarted = grad_reduction_lib.restart(grad_sum, rules, cycle_start)
+  return grad_reduction_lib.add(restarted, updates, contribution, rules)
 
 
 def _should_emit(emit, micro_step, length, axis_name):
@@ -160,15 +159,17 @@ def _next_state(state, micro_step, emit, cycle: emitting.Cycle,
   )
 
 
-def _cycle_after(state, grads, contribution, loss_reduction) -> emitting.Cycle:
+def _cycle_after(state, grads, contribution, loss_reduction,
+                 rules) -> emitting.Cycle:
   """The running sums with this micro-step added."""
   stats_sums = state.stats_sums
   if stats_sums is not None:
-    stats_sums = noise_scale.add(stats_sums, grads, contribution,
-                                 loss_reduction)
+    stats_sums = noise_scale.add(
+        stats_sums, grad_reduction_lib.only_means(grads, rules), contribution,
+        loss_reduction)
   return emitting.Cycle(
       grad_sum=_add_to_sum(
-          state.grad_sum, grads, contribution, state.micro_step == 0
+          state.grad_sum, grads, contribution, state.micro_step == 0, rules
       ),
       token_count=state.token_count + contribution.tokens,
       stats_sums=stats_sums,
@@ -191,10 +192,10 @@ def _init_state(inner_state, params, accumulator_dtype, axis_name,
       micro_step=jnp.zeros([], jnp.int32),
       count=jnp.zeros([], jnp.int32),
       grad_sum=jax.tree.map(
-          lambda p: partial_zeros(
-              jnp.shape(p), incoming_grads.sum_dtype(p, accumulator_dtype)
+          lambda p, dtype: partial_zeros(
+              jnp.shape(p), incoming_grads.sum_dtype(p, dtype)
           ),
-          params,
+          params, validation.per_leaf_dtypes(accumulator_dtype, params),
       ),
       token_count=partial_zeros((), jnp.float32),
       inner_state=inner_state,
@@ -218,6 +219,7 @@ def accumulate(
     skip_nonfinite: bool = False,
     should_skip: Callable[[Any, Any, Any], Any] | None = None,
     with_stats: bool = False,
+    grad_reduction: Any = "mean",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates micro-batch gradients and updates once per cycle.
 
@@ -264,7 +266,9 @@ def accumulate(
       length (for a batch-size warm-up). Lengths below one count as one.
     loss_reduction: how each incoming gradient's loss was reduced over its
       ``num_tokens`` items: ``"mean"`` or ``"sum"``.
-    accumulator_dtype: floating dtype of the running sum.
+    accumulator_dtype: floating dtype of the running sum, or a pytree prefix
+      of the parameters of such dtypes, e.g. ``{'embed': jnp.bfloat16,
+      'layers': jnp.float32}``: one per parameter (sub)tree.
     axis_name: data-parallel axis (or axes) to sum over on emit, or None.
     skip_nonfinite: if True, a micro-step whose gradient (or ``num_tokens``)
       has a NaN or Inf, or whose ``num_tokens`` is negative, adds nothing,
@@ -278,6 +282,15 @@ def accumulate(
       noise scale from the cycle's micro-step gradients (read it with
       :func:`optax_accum.grad_stats`): one squared norm per micro-step, and
       with ``axis_name`` two scalars more in the one reduction per update.
+    grad_reduction: how each gradient leaf is reduced over the cycle:
+      ``"mean"`` (the token-weighted mean above), ``"max"`` (the maximum over
+      the cycle's kept micro-steps, and over devices with ``axis_name``: FP8
+      amax histories and scales), ``"last"`` (the last kept micro-step's
+      value; not with ``axis_name``), or a pytree prefix of the gradient of
+      those. A kept micro-step has tokens and was not dropped; a "max" or
+      "last" leaf takes the raw gradient (not weighted, not divided by the
+      token count), and zeros if no micro-step was kept. Only "mean" leaves
+      count in ``with_stats``' statistics.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose ``update`` takes
@@ -316,11 +329,12 @@ def accumulate(
   """
   every_k = validation.check_every_k(every_k)
   loss_reduction = validation.check_loss_reduction(loss_reduction)
-  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
+  accumulator_dtype = validation.check_accumulator_dtypes(accumulator_dtype)
   axis_name = validation.check_axis_name(axis_name)
   skip_nonfinite = validation.check_bool("skip_nonfinite", skip_nonfinite)
   should_skip = validation.check_optional_callable("should_skip", should_skip)
   with_stats = validation.check_bool("with_stats", with_stats)
+  grad_reduction = grad_reduction_lib.check(grad_reduction, axis_name)
   validation.check_transformation("inner", inner)
   takes_extra_args = isinstance(inner, optax.GradientTransformationExtraArgs)
   inner = optax.with_extra_args_support(inner)
@@ -342,13 +356,14 @@ def accumulate(
     contribution = token_weighting.contribution(
         tokens, loss_reduction, drop=drops.nonfinite | drops.skipped
     )
-    cycle = _cycle_after(state, updates, contribution, loss_reduction)
+    rules = grad_reduction_lib.per_leaf(grad_reduction, updates)
+    cycle = _cycle_after(state, updates, contribution, loss_reduction, rules)
     micro_step = optax.safe_increment(state.micro_step)
     emit = _should_emit(
         emit, micro_step, _cycle_length(every_k, state.count), axis_name
     )
     emitter = emitting.emitter(
-        inner, axis_name, updates, state.inner_state, params, extra_args
+        inner, axis_name, updates, state.inner_state, params, extra_args, rules
     )
     emitted = lax.cond(
         emit, emitter.emit, emitter.skip, cycle, state.inner_state,

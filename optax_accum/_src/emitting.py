@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_accum._src import axes
+from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import noise_scale
 from optax_accum._src import partial_sums
 from optax_accum._src import token_weighting
@@ -48,9 +49,11 @@ class Emitter(NamedTuple):
   extra_args: dict[str, Any]
   like_grads: Any  # the gradients' tree: the mean takes their dtypes.
   like_updates: Any  # ShapeDtypeStructs of inner's updates.
+  rules: list[str] | None  # grad_reduction per leaf; None: all "mean".
 
   def run_inner(self, grad_sum, token_count, inner_state):
-    mean = token_weighting.mean(grad_sum, token_count, self.like_grads)
+    mean = grad_reduction_lib.finish(grad_sum, token_count, self.like_grads,
+                                     self.rules)
     updates, new_state = self.inner.update(
         mean, inner_state, self.params, **self.extra_args
     )
@@ -65,7 +68,11 @@ class Emitter(NamedTuple):
     del stats  # replaced by this cycle's.
     with jax.named_scope("optax_accum_emit"):
       if self.axis_name is not None:
-        # The one reduction over devices per optimizer update.
+        # The one reduction over devices per optimizer update (and one pmax
+        # of the "max" leaves, which the sum then leaves as they are).
+        cycle = cycle._replace(grad_sum=grad_reduction_lib.max_over_devices(
+            cycle.grad_sum, self.rules, self.axis_name,
+            keep_on_one_device=True))
         cycle = partial_sums.sum_partials(cycle, self.axis_name)
         cycle = cycle._replace(token_count=cycle.token_count.reshape(()))
       updated = token_weighting.has_tokens(cycle.token_count)
@@ -73,7 +80,8 @@ class Emitter(NamedTuple):
           updated, self.run_inner, self.skip_inner, cycle.grad_sum,
           cycle.token_count, inner_state,
       )
-      return Emitted(updates, inner_state, updated, _stats_of(cycle))
+      return Emitted(updates, inner_state, updated,
+                     _stats_of(cycle, self.rules))
 
   def skip(self, cycle: Cycle, inner_state, stats) -> Emitted:
     updates, inner_state = self.skip_inner(
@@ -82,19 +90,21 @@ class Emitter(NamedTuple):
     return Emitted(updates, inner_state, jnp.bool_(False), stats)
 
 
-def _stats_of(cycle: Cycle) -> noise_scale.GradStats | None:
+def _stats_of(cycle: Cycle, rules) -> noise_scale.GradStats | None:
   """The noise statistics of a (device-reduced) cycle."""
   if cycle.stats_sums is None:
     return None
   # |mean|^2 from the sum in the accumulator's precision.
   count = jnp.where(cycle.token_count == 0, 1.0, cycle.token_count)
-  mean_sq_norm = noise_scale.sq_norm(cycle.grad_sum) / jnp.square(count)
+  mean_sq_norm = noise_scale.sq_norm(grad_reduction_lib.only_means(
+      cycle.grad_sum, rules)) / jnp.square(count)
   return noise_scale.estimate_from_norm(
       cycle.stats_sums, mean_sq_norm, cycle.token_count
   )
 
 
-def emitter(inner, axis_name, grads, inner_state, params, extra_args):
+def emitter(inner, axis_name, grads, inner_state, params, extra_args,
+            rules=None):
   """The :class:`Emitter` of one ``update`` call."""
   like_updates = jax.eval_shape(
       lambda s: inner.update(
@@ -103,4 +113,5 @@ def emitter(inner, axis_name, grads, inner_state, params, extra_args):
       )[0],
       inner_state,
   )
-  return Emitter(inner, axis_name, params, extra_args, grads, like_updates)
+  return Emitter(inner, axis_name, params, extra_args, grads, like_updates,
+                 rules)
