@@ -132,6 +132,60 @@ def _zero_sums(params, opts: Options, plan: AuxPlan | None,
   return sums
 
 
+def check_num_real(num_real: Any, num_microbatches: int) -> jax.Array | None:
+  """``num_real_microbatches`` as an int32 scalar in ``[1, k]``, or None.
+
+  A concrete value outside the range raises; a traced one is clamped.
+  """
+  if num_real is None:
+    return None
+  dtype = getattr(num_real, "dtype", None)
+  if isinstance(num_real, bool) or not (
+      isinstance(num_real, int) if dtype is None
+      else jnp.issubdtype(dtype, jnp.integer) and jnp.ndim(num_real) == 0):
+    raise TypeError(
+        "num_real_microbatches must be an integer scalar, got"
+        f" {num_real!r}."
+    )
+  if not isinstance(num_real, jax.core.Tracer):
+    if not 1 <= int(num_real) <= num_microbatches:
+      raise ValueError(
+          f"num_real_microbatches={int(num_real)} must be in [1,"
+          f" num_microbatches={num_microbatches}]."
+      )
+  return jnp.clip(jnp.asarray(num_real, jnp.int32), 1, num_microbatches)
+
+
+def _run_microbatches(step, init, num_microbatches, num_real):
+  """``lax.scan(step, init, arange(k))``, or only the first ``num_real``.
+
+  With ``num_real`` the loop is a ``lax.fori_loop`` with that traced trip
+  count (an XLA while loop: the micro-batches past it are not computed, and
+  another count needs no recompilation); the outputs of the skipped
+  micro-batches are zeros.
+  """
+  indices = jnp.arange(num_microbatches)
+  if num_real is None:
+    return lax.scan(step, init, indices)
+  def zeros(shape):
+    buffer = jnp.zeros((num_microbatches,) + shape.shape, shape.dtype)
+    # Under shard_map the outputs may vary over the axis: so must the carry.
+    vma = tuple(sorted(axes.varying_axes(shape)))
+    return lax.pcast(buffer, vma, to="varying") if vma else buffer
+
+  stacked = jax.tree.map(
+      zeros, jax.eval_shape(lambda: step(init, indices[0])[1]))
+
+  def body(index, state):
+    carry, stacked = state
+    carry, out = step(carry, index)
+    return carry, jax.tree.map(
+        lambda buf, x: lax.dynamic_update_index_in_dim(buf, x, index, 0),
+        stacked, out)
+
+  return lax.fori_loop(0, num_real, body, (init, stacked))
+
+
 def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
          lay: fsdp.Layout | None = None):
   """The scan over this device's micro-batches: ``(sums, loop_out)``.
@@ -178,10 +232,10 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
     return (sums, model_state), (value, stacked)
 
   with jax.named_scope("optax_accum_microbatch_loop"):
-    (sums, model_state), (values, stacked) = lax.scan(
+    (sums, model_state), (values, stacked) = _run_microbatches(
         step, (_zero_sums(params, opts, plan, lay, rules),
                inputs.model_state),
-        jnp.arange(opts.num_microbatches),
+        opts.num_microbatches, inputs.num_real,
     )
   if opts.axis_name is not None:
     # The "max" leaves' pmax, once; the one sum over devices that follows

@@ -210,8 +210,18 @@ def value_and_grad(
       has tokens. For FP8 (``flax.linen.fp8_ops``) use
       ``loss_reduction="sum"``: see ``docs/fp8.md``.
 
+  A variable batch without recompiling: ``fn(..., num_real_microbatches=n)``
+  computes only the first ``n`` micro-batches (the loop is then an XLA while
+  loop with ``n`` as its trip count, so the others cost nothing): value,
+  gradient, aux, model state and keys are those of these ``n`` (stacked aux
+  holds zeros past them). ``n`` may be traced: another ``n`` reuses the
+  compiled program. A concrete ``n`` outside ``[1, num_microbatches]``
+  raises ``ValueError``; a traced one is clamped into that range. With
+  ``axis_name`` it must be the same on every device.
+
   Returns:
-    A function ``fn(params, batch, *args, rng=None, **kwargs)``
+    A function ``fn(params, batch, *args, rng=None,
+    num_real_microbatches=None, **kwargs)``
     (``fn(params, model_state, batch, ...)`` with ``has_state``) returning
     ``(loss, grads)``; with ``has_aux``, ``((loss, aux), grads)``; with
     ``has_state``, ``((loss, model_state), grads)``, or ``((loss,
@@ -277,11 +287,12 @@ def value_and_grad(
   loss = loss_signature.normalize(loss_fn, opts.has_aux, opts.has_state)
 
   @functools.wraps(loss_fn)
-  def fn(params, *rest, rng=None, **kwargs):
+  def fn(params, *rest, rng=None, num_real_microbatches=None, **kwargs):
     model_state, batch, args = loss_signature.split_call_args(
         rest, opts.has_state)
     inputs = loss_signature.Inputs(
-        model_state, batch, args, kwargs, microbatch_rng.check(rng))
+        model_state, batch, args, kwargs, microbatch_rng.check(rng),
+        loop_lib.check_num_real(num_real_microbatches, opts.num_microbatches))
     if opts.axis_name is None:
       result = _single_device(loss, opts, params, inputs)
     elif axes.is_bound(opts.axis_name):
