@@ -216,6 +216,9 @@ def test_readme_snippets_run_and_print_what_they_say(capsys):
   expected = ["True 1 0", "1 0 True", "4", "2"]
   assert any(printed[i : i + len(expected)] == expected
              for i in range(len(printed))), printed
+  # grad_reduction="max", then num_real_microbatches=2.
+  assert any(printed[i : i + 2] == ["23.0", "11.0"]
+             for i in range(len(printed))), printed
   assert int(namespace["state"].step) == 3  # the linen TrainState recipe
 
 
