@@ -32,7 +32,9 @@ class AccumulateState(NamedTuple):
       shaped like the parameters, in ``accumulator_dtype``; per device. The
       reset is lazy: right after an emit (``micro_step == 0``) it still holds
       the finished cycle's sum, which the next call discards instead of
-      adding to (see ``_add_to_sum`` in this module for why).
+      adding to (see ``_add_to_sum`` in this module for why). A leaf that
+      ``grad_reduction`` reduces by "max" holds the running maximum (from
+      ``-inf``), one by "last" the last kept gradient.
     token_count: the current cycle's running token count, float32; per
       device.
     inner_state: the state of the wrapped optimizer, advanced once per emit.

@@ -47,6 +47,10 @@ def apply_if_updated(
     nnx.update(model, oa.apply_if_updated(params, updates, opt_state))
     nnx.update(optimizer.opt_state, nnx.state(opt_state))
 
+  (``optimizer.step``, which ``nnx.Optimizer.update`` increments, is then
+  yours to count.) Or use :func:`optax_accum.value_and_grad`, which calls
+  ``optimizer.update`` once per update, with nothing to skip.
+
   Args:
     params: the parameters.
     updates: the updates of the ``update`` call that produced ``state``.

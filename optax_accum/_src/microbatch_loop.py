@@ -139,10 +139,10 @@ def check_num_real(num_real: Any, num_microbatches: int) -> jax.Array | None:
   """
   if num_real is None:
     return None
-  dtype = getattr(num_real, "dtype", None)
-  if isinstance(num_real, bool) or not (
-      isinstance(num_real, int) if dtype is None
-      else jnp.issubdtype(dtype, jnp.integer) and jnp.ndim(num_real) == 0):
+  is_int = isinstance(num_real, int) and not isinstance(num_real, bool)
+  is_int_scalar = (hasattr(num_real, "dtype") and jnp.ndim(num_real) == 0
+                   and jnp.issubdtype(num_real.dtype, jnp.integer))
+  if not (is_int or is_int_scalar):
     raise TypeError(
         "num_real_microbatches must be an integer scalar, got"
         f" {num_real!r}."
