@@ -10,6 +10,10 @@ import pytest
 import helpers
 import optax_accum as oa
 
+# nnx.pure became nnx.as_pure in newer flax; the oldest flax we support has
+# only the former.
+_pure = getattr(nnx, "as_pure", None) or nnx.pure
+
 
 def _params():
   return {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2),
@@ -98,10 +102,10 @@ def test_nnx_without_optimizer_update_matches_nnx_optimizer():
   @nnx.jit
   def our_step(model, optimizer, x):
     grads = nnx.grad(loss_fn)(model, x)
-    params = nnx.as_pure(nnx.state(model, nnx.Param))
-    opt_state = nnx.as_pure(optimizer.opt_state)
+    params = _pure(nnx.state(model, nnx.Param))
+    opt_state = _pure(optimizer.opt_state)
     updates, opt_state = optimizer.tx.update(
-        nnx.as_pure(grads), opt_state, params,
+        _pure(grads), opt_state, params,
         num_tokens=x.shape[0])
     nnx.update(model, oa.apply_if_updated(params, updates, opt_state))
     nnx.update(optimizer.opt_state, nnx.state(opt_state))

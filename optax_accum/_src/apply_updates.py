@@ -47,7 +47,8 @@ def apply_if_updated(
     nnx.update(model, oa.apply_if_updated(params, updates, opt_state))
     nnx.update(optimizer.opt_state, nnx.state(opt_state))
 
-  (``optimizer.step``, which ``nnx.Optimizer.update`` increments, is then
+  (``nnx.as_pure`` is ``nnx.pure`` in older flax; ``optimizer.step``,
+  which ``nnx.Optimizer.update`` increments, is then
   yours to count.) Or use :func:`optax_accum.value_and_grad`, which calls
   ``optimizer.update`` once per update, with nothing to skip.
 
