@@ -23,17 +23,26 @@ def param_tree(leaves, size):
   return params, grads
 
 
-def train_step(tx):
-  """``tx.update`` and ``optax.apply_updates``, as a real train step does."""
+def apply_always(params, updates, state):
+  """``optax.apply_updates``, whether ``tx.update`` emitted or not."""
+  del state
+  return optax.apply_updates(params, updates)
+
+
+def train_step(tx, apply=apply_always):
+  """``tx.update`` and ``apply(params, updates, state)``, as a train step does.
+
+  ``apply`` is :func:`apply_always` or ``oa.apply_if_updated``.
+  """
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
+    return apply(params, updates, state), state
   return step
 
 
-def compile_train_step(tx, params, state, grads):
+def compile_train_step(tx, params, state, grads, apply=apply_always):
   """:func:`train_step`, the parameters and the state donated."""
-  return jax.jit(train_step(tx), donate_argnums=(0, 1)).lower(
+  return jax.jit(train_step(tx, apply), donate_argnums=(0, 1)).lower(
       params, state, grads).compile()
 
 
@@ -63,13 +72,14 @@ def compile_floor(acc, grads):
 class Trainer:
   """A donated, ahead-of-time compiled train step and its own copy of state."""
 
-  def __init__(self, tx, params, grads):
+  def __init__(self, tx, params, grads, apply=apply_always):
     self.params = harness.copy_tree(params)
     self.state = tx.init(self.params)
     self.grads = grads
     self.calls = 0
     self.state_bytes = harness.tree_bytes(self.state)
-    self.compiled = compile_train_step(tx, self.params, self.state, grads)
+    self.compiled = compile_train_step(tx, self.params, self.state, grads,
+                                       apply)
 
   def steps(self, n):
     for _ in range(n):
@@ -109,5 +119,68 @@ class Floor:
   def steps(self, n):
     for _ in range(n):
       self.acc = self.compiled(self.acc, self.grads)
+    self.calls += n
+    jax.block_until_ready(self.acc)
+
+
+def probe_batch(size, rows=4):
+  """Inputs of :func:`probe_loss`: ``rows`` random rows of width ``size``."""
+  return jax.random.normal(jax.random.key(1), (rows, size))
+
+
+def probe_loss(params, x):
+  """A loss whose gradient is a dot per leaf, as a model's backward pass is.
+
+  XLA cannot fuse a dot's output into the add that consumes it, so the
+  gradient is a temporary of the train step, as in a real one.
+  """
+  return sum(jnp.sum((x @ w) ** 2) for w in params.values())
+
+
+class GradTrainer:
+  """A donated train step that computes its gradient: grad, update, apply."""
+
+  def __init__(self, tx, params, x, apply=apply_always):
+    self.params = harness.copy_tree(params)
+    self.state = tx.init(self.params)
+    self.x = x
+    self.calls = 0
+
+    def step(params, state, x):
+      grads = jax.grad(probe_loss)(params, x)
+      updates, state = tx.update(grads, state, params)
+      return apply(params, updates, state), state
+
+    self.compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+        self.params, self.state, x).compile()
+
+  def steps(self, n):
+    for _ in range(n):
+      self.params, self.state = self.compiled(self.params, self.state, self.x)
+    self.calls += n
+    jax.block_until_ready((self.params, self.state))
+
+
+class GradFloor:
+  """The floor of such a micro-step: the gradient, added to an accumulator.
+
+  The accumulator (donated) stands for the parameters the gradient is taken
+  at; what matters is the same gradient computation and one add.
+  """
+
+  def __init__(self, params, x):
+    self.acc = harness.copy_tree(params)
+    self.x = x
+    self.calls = 0
+
+    def step(acc, x):
+      return jax.tree.map(jnp.add, acc, jax.grad(probe_loss)(acc, x))
+
+    self.compiled = jax.jit(step, donate_argnums=0).lower(self.acc,
+                                                          x).compile()
+
+  def steps(self, n):
+    for _ in range(n):
+      self.acc = self.compiled(self.acc, self.x)
     self.calls += n
     jax.block_until_ready(self.acc)

@@ -2,6 +2,7 @@
 
 from optax_accum._src.accumulate import accumulate as accumulate
 from optax_accum._src.accumulate import AccumulateState as AccumulateState
+from optax_accum._src.apply_updates import apply_if_updated as apply_if_updated
 from optax_accum._src.axes import device_local as device_local
 from optax_accum._src.coupled import (
     coupled_value_and_grad as coupled_value_and_grad,
@@ -29,6 +30,7 @@ __all__ = (
     "GradStats",
     "Plan",
     "accumulate",
+    "apply_if_updated",
     "count_collectives",
     "coupled_value_and_grad",
     "device_local",

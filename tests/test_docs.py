@@ -87,9 +87,10 @@ def test_included_files_exist():
 # Lines that a page's blocks print, in order, as their comments say.
 PRINTED = {
     "docs/migrating.md": ["True 1 0"],
-    # NNX (a micro-step, then the update), then the checkpoint restored
-    # mid-cycle (micro_step 1).
-    "docs/flax.md": ["1 0 True", "4", "1"],
+    # NNX (a micro-step, then the update), oa.apply_if_updated (2 updates),
+    # then the checkpoint restored mid-cycle (micro_step 1).
+    "docs/flax.md": ["1 0 True", "4", "2", "1"],
+    "docs/per_leaf_rules.md": ["23.0", "11.0"],
 }
 
 

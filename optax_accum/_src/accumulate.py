@@ -10,6 +10,7 @@ import optax
 
 from optax_accum._src import axes
 from optax_accum._src import emitting
+from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import incoming_grads
 from optax_accum._src import noise_scale
 from optax_accum._src import partial_sums
@@ -33,7 +34,9 @@ class AccumulateState(NamedTuple):
       shaped like the parameters, in ``accumulator_dtype``; per device. The
       reset is lazy: right after an emit (``micro_step == 0``) it still holds
       the finished cycle's sum, which the next call discards instead of
-      adding to (see ``_add_to_sum`` in this module for why).
+      adding to (see ``_add_to_sum`` in this module for why). A leaf that
+      ``grad_reduction`` reduces by "max" holds the running maximum (from
+      ``-inf``), one by "last" the last kept gradient.
     token_count: the current cycle's running token count, float32; per
       device.
     inner_state: the state of the wrapped optimizer, advanced once per emit.
@@ -134,7 +137,7 @@ def _skipped(should_skip, updates, state, params):
   )
 
 
-def _add_to_sum(grad_sum, updates, contribution, cycle_start):
+def _add_to_sum(grad_sum, updates, contribution, cycle_start, rules):
   """The running sum after this micro-step, with the lazy reset.
 
   The call that starts a cycle (``micro_step == 0``) adds to zeros instead of
@@ -145,10 +148,8 @@ def _add_to_sum(grad_sum, updates, contribution, cycle_start):
   a non-emitting call is one fused in-place pass over the sum, and the
   conditional only reads it.
   """
-  restarted = jax.tree.map(
-      lambda s: jnp.where(cycle_start, jnp.zeros([], s.dtype), s), grad_sum
-  )
-  return token_weighting.add(restarted, updates, contribution)
+  restarted = grad_reduction_lib.restart(grad_sum, rules, cycle_start)
+  return grad_reduction_lib.add(restarted, updates, contribution, rules)
 
 
 def _should_emit(emit, micro_step, length, axis_name):
@@ -193,15 +194,17 @@ def _next_state(state, micro_step, emit, step: "_MicroStep",
   )
 
 
-def _cycle_after(state, grads, contribution, loss_reduction) -> emitting.Cycle:
+def _cycle_after(state, grads, contribution, loss_reduction,
+                 rules) -> emitting.Cycle:
   """The running sums with this micro-step added."""
   stats_sums = state.stats_sums
   if stats_sums is not None:
-    stats_sums = noise_scale.add(stats_sums, grads, contribution,
-                                 loss_reduction)
+    stats_sums = noise_scale.add(
+        stats_sums, grad_reduction_lib.only_means(grads, rules), contribution,
+        loss_reduction)
   return emitting.Cycle(
       grad_sum=_add_to_sum(
-          state.grad_sum, grads, contribution, state.micro_step == 0
+          state.grad_sum, grads, contribution, state.micro_step == 0, rules
       ),
       token_count=state.token_count + contribution.tokens,
       stats_sums=stats_sums,
@@ -215,12 +218,14 @@ class _Rules(NamedTuple):
   axis_name: axes.AxisName | None
   skip_nonfinite: bool
   should_skip: Callable[[Any, Any, Any], Any] | None
+  grad_reduction: Any  # the checked grad_reduction: a prefix of the grads.
 
 
 class _MicroStep(NamedTuple):
   """A micro-step added to the running sums, before the emit decision."""
 
   grads: Any  # the incoming gradients, checked and floating.
+  leaf_rules: list[str]  # grad_reduction of each gradient leaf.
   cycle: emitting.Cycle
   nonfinite_count: jax.Array  # like state.nonfinite_count.
   skipped_count: jax.Array  # like state.skipped_count.
@@ -240,9 +245,12 @@ def _add_microstep(updates, state, params, num_tokens, tokens,
   contribution = token_weighting.contribution(
       tokens, rules.loss_reduction, drop=drops.nonfinite | drops.skipped
   )
+  leaf_rules = grad_reduction_lib.per_leaf(rules.grad_reduction, updates)
   return _MicroStep(
       grads=updates,
-      cycle=_cycle_after(state, updates, contribution, rules.loss_reduction),
+      leaf_rules=leaf_rules,
+      cycle=_cycle_after(state, updates, contribution, rules.loss_reduction,
+                         leaf_rules),
       nonfinite_count=_increment_where(drops.nonfinite, state.nonfinite_count),
       skipped_count=_increment_where(drops.skipped, state.skipped_count),
   )
@@ -288,6 +296,7 @@ def _add_unreduced_microstep(updates, state, params, num_tokens, tokens,
       ))
   return _MicroStep(
       grads=updates,
+      leaf_rules=grad_reduction_lib.per_leaf("mean", updates),
       cycle=emitting.Cycle(grad_sum, token_count, None),
       nonfinite_count=nonfinite_count,
       skipped_count=skipped_count,
@@ -322,7 +331,7 @@ def _init_state(inner_state, params, accumulator_dtype, axis_name,
       return jnp.zeros(shape, dtype)
     return partial_sums.partial_zeros(shape, dtype, axis_name)
 
-  def sum_zeros(param):
+  def sum_zeros(param, accumulator_dtype):
     dtype = incoming_grads.sum_dtype(param, accumulator_dtype)
     if axis_name is not None and partial_sums.slots_sharded_by_type(axis_name):
       # Under a mesh with Explicit axes: slots sharded like the parameter,
@@ -333,7 +342,9 @@ def _init_state(inner_state, params, accumulator_dtype, axis_name,
   return AccumulateState(
       micro_step=jnp.zeros([], jnp.int32),
       count=jnp.zeros([], jnp.int32),
-      grad_sum=jax.tree.map(sum_zeros, params),
+      grad_sum=jax.tree.map(
+          sum_zeros, params,
+          validation.per_leaf_dtypes(accumulator_dtype, params)),
       token_count=partial_zeros((), jnp.float32),
       inner_state=inner_state,
       emitted=jnp.zeros([], jnp.bool_),
@@ -357,6 +368,7 @@ def accumulate(
     should_skip: Callable[[Any, Any, Any], Any] | None = None,
     with_stats: bool = False,
     equal_weights: bool = False,
+    grad_reduction: Any = "mean",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates micro-batch gradients and updates once per cycle.
 
@@ -423,7 +435,9 @@ def accumulate(
       boundary chosen by the data, e.g. a token budget).
     loss_reduction: how each incoming gradient's loss was reduced over its
       ``num_tokens`` items: ``"mean"`` or ``"sum"``.
-    accumulator_dtype: floating dtype of the running sum.
+    accumulator_dtype: floating dtype of the running sum, or a pytree prefix
+      of the parameters of such dtypes, e.g. ``{'embed': jnp.bfloat16,
+      'layers': jnp.float32}``: one per parameter (sub)tree.
     axis_name: data-parallel axis (or axes) to sum over on emit, or None:
       a manual axis (shard_map, pmap), or under jit the mesh axes the
       gradients are unreduced over (the ``axis_name`` given to
@@ -446,6 +460,15 @@ def accumulate(
       ``UserWarning`` they give otherwise, once, at the first trace. A
       ``num_tokens`` that is passed still counts (``num_tokens=0`` for a
       flush).
+    grad_reduction: how each gradient leaf is reduced over the cycle:
+      ``"mean"`` (the token-weighted mean above), ``"max"`` (the maximum over
+      the cycle's kept micro-steps, and over devices with ``axis_name``: FP8
+      amax histories and scales), ``"last"`` (the last kept micro-step's
+      value; not with ``axis_name``), or a pytree prefix of the gradient of
+      those. A kept micro-step has tokens and was not dropped; a "max" or
+      "last" leaf takes the raw gradient (not weighted, not divided by the
+      token count), and zeros if no micro-step was kept. Only "mean" leaves
+      count in ``with_stats``' statistics.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose ``update`` takes
@@ -487,7 +510,7 @@ def accumulate(
   """
   every_k = validation.check_every_k(every_k)
   loss_reduction = validation.check_loss_reduction(loss_reduction)
-  accumulator_dtype = validation.check_accumulator_dtype(accumulator_dtype)
+  accumulator_dtype = validation.check_accumulator_dtypes(accumulator_dtype)
   axis_name = validation.check_axis_name(axis_name)
   skip_nonfinite = validation.check_bool("skip_nonfinite", skip_nonfinite)
   should_skip = validation.check_optional_callable("should_skip", should_skip)
@@ -498,11 +521,13 @@ def accumulate(
       " micro-batch's loss averaged over)",
       validation.check_bool("equal_weights", equal_weights),
   )
+  grad_reduction = grad_reduction_lib.check(grad_reduction, axis_name)
   validation.check_transformation("inner", inner)
   takes_extra_args = isinstance(inner, optax.GradientTransformationExtraArgs)
   inner = optax.with_extra_args_support(inner)
 
-  rules = _Rules(loss_reduction, axis_name, skip_nonfinite, should_skip)
+  rules = _Rules(loss_reduction, axis_name, skip_nonfinite, should_skip,
+                 grad_reduction)
 
   def init_fn(params):
     return _init_state(inner.init(params), params, accumulator_dtype,
@@ -516,6 +541,14 @@ def accumulate(
     deferred = unreduced_sums.is_deferred(axis_name)
     if deferred and with_stats:
       raise ValueError(_STATS_UNREDUCED)
+    if deferred and any(r != "mean" for r in grad_reduction_lib.per_leaf(
+        grad_reduction, updates)):
+      raise ValueError(
+          f"grad_reduction={grad_reduction!r} with unreduced gradients under"
+          " jax.jit: a max over the devices' partial gradients is not the"
+          " max of their sum. Use grad_reduction='mean' there, or"
+          " accumulate inside jax.shard_map."
+      )
     if num_tokens is None:
       tokens = missing_count.count()  # warned once the call is checked.
     else:
@@ -528,7 +561,8 @@ def accumulate(
         None if deferred else axis_name,
     )
     emitter = emitting.emitter(
-        inner, axis_name, step.grads, state.inner_state, params, extra_args
+        inner, axis_name, step.grads, state.inner_state, params, extra_args,
+        step.leaf_rules,
     )
     emitted = lax.cond(
         emit, emitter.emit, emitter.skip, step.cycle, state.inner_state,

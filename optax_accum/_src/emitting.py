@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_accum._src import axes
+from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import noise_scale
 from optax_accum._src import partial_sums
 from optax_accum._src import token_weighting
@@ -50,9 +51,11 @@ class Emitter(NamedTuple):
   extra_args: dict[str, Any]
   like_grads: Any  # the gradients' tree: the mean takes their dtypes.
   like_updates: Any  # ShapeDtypeStructs of inner's updates.
+  rules: list[str] | None  # grad_reduction per leaf; None: all "mean".
 
   def run_inner(self, grad_sum, token_count, inner_state):
-    mean = token_weighting.mean(grad_sum, token_count, self.like_grads)
+    mean = grad_reduction_lib.finish(grad_sum, token_count, self.like_grads,
+                                     self.rules)
     updates, new_state = self.inner.update(
         mean, inner_state, self.params, **self.extra_args
     )
@@ -66,13 +69,14 @@ class Emitter(NamedTuple):
     """The emitting branch."""
     del stats  # replaced by this cycle's.
     with jax.named_scope("optax_accum_emit"):
-      cycle = _reduced(cycle, self.axis_name)
+      cycle = _reduced(cycle, self.axis_name, self.rules)
       updated = token_weighting.has_tokens(cycle.token_count)
       updates, inner_state = lax.cond(
           updated, self.run_inner, self.skip_inner, cycle.grad_sum,
           cycle.token_count, inner_state,
       )
-      return Emitted(updates, inner_state, updated, _stats_of(cycle))
+      return Emitted(updates, inner_state, updated,
+                     _stats_of(cycle, self.rules))
 
   def skip(self, cycle: Cycle, inner_state, stats) -> Emitted:
     updates, inner_state = self.skip_inner(
@@ -81,8 +85,13 @@ class Emitter(NamedTuple):
     return Emitted(updates, inner_state, jnp.bool_(False), stats)
 
 
-def _reduced(cycle: Cycle, axis_name: axes.AxisName | None) -> Cycle:
-  """The cycle's sums over every device: the one reduction per update."""
+def _reduced(cycle: Cycle, axis_name: axes.AxisName | None,
+             rules: list[str] | None) -> Cycle:
+  """The cycle's sums over every device: the one reduction per update.
+
+  Inside shard_map the "max" leaves get their pmax first, on one device,
+  so that the one sum that follows leaves them as they are.
+  """
   if axis_name is None:
     return cycle
   if unreduced_sums.is_deferred(axis_name):
@@ -92,23 +101,27 @@ def _reduced(cycle: Cycle, axis_name: axes.AxisName | None) -> Cycle:
         token_count=jnp.sum(cycle.token_count),
         stats_sums=None,
     )
+  cycle = cycle._replace(grad_sum=grad_reduction_lib.max_over_devices(
+      cycle.grad_sum, rules, axis_name, keep_on_one_device=True))
   cycle = partial_sums.sum_partials(cycle, axis_name)
   return cycle._replace(token_count=cycle.token_count.reshape(()))
 
 
-def _stats_of(cycle: Cycle) -> noise_scale.GradStats | None:
+def _stats_of(cycle: Cycle, rules) -> noise_scale.GradStats | None:
   """The noise statistics of a (device-reduced) cycle."""
   if cycle.stats_sums is None:
     return None
   # |mean|^2 from the sum in the accumulator's precision.
   count = jnp.where(cycle.token_count == 0, 1.0, cycle.token_count)
-  mean_sq_norm = noise_scale.sq_norm(cycle.grad_sum) / jnp.square(count)
+  mean_sq_norm = noise_scale.sq_norm(grad_reduction_lib.only_means(
+      cycle.grad_sum, rules)) / jnp.square(count)
   return noise_scale.estimate_from_norm(
       cycle.stats_sums, mean_sq_norm, cycle.token_count
   )
 
 
-def emitter(inner, axis_name, grads, inner_state, params, extra_args):
+def emitter(inner, axis_name, grads, inner_state, params, extra_args,
+            rules=None):
   """The :class:`Emitter` of one ``update`` call."""
   if unreduced_sums.is_deferred(axis_name):
     summed = unreduced_sums.summed_like(grads)
@@ -118,4 +131,5 @@ def emitter(inner, axis_name, grads, inner_state, params, extra_args):
       lambda g, s: inner.update(g, s, params, **extra_args)[0], summed,
       inner_state,
   )
-  return Emitter(inner, axis_name, params, extra_args, grads, like_updates)
+  return Emitter(inner, axis_name, params, extra_args, grads, like_updates,
+                 rules)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import axes
+from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import sharding
 from optax_accum._src import token_weighting
 
@@ -170,15 +171,15 @@ def _resized(shape: tuple[int, ...], spec: P, whole: bool) -> tuple[int, ...]:
   return tuple(shape)
 
 
-def zero_grads(lay: Layout, held: Any, dtype: Any) -> Any:
-  """The loop's zero gradient sum, device-local, in ``dtype``.
+def zero_grads(lay: Layout, held: Any, dtypes: Any) -> Any:
+  """The loop's zero gradient sum, device-local, in ``dtypes`` (per leaf).
 
   ``held`` is what :func:`hold` returned. The sum is shaped like the shards
   under ``gradient_sync="every_microbatch"``, like the whole parameters
   otherwise.
   """
 
-  def zeros(x, spec):
+  def zeros(x, spec, dtype):
     wants_whole = not _syncs_in_loop(lay, spec)
     if wants_whole == (not _gathers_in_loop(lay, spec)):
       # zeros_like keeps the sharding over other mesh axes (model parallel).
@@ -187,25 +188,40 @@ def zero_grads(lay: Layout, held: Any, dtype: Any) -> Any:
     return jnp.zeros(shape, dtype, out_sharding=sharding.explicit_spec(x))
 
   return axes.device_local(
-      jax.tree.map(zeros, held, lay.specs), lay.axis_name
+      jax.tree.map(zeros, held, lay.specs, dtypes), lay.axis_name
   )
 
 
 def add_grads(lay: Layout, total: Any, grads: Any,
-              c: token_weighting.Contribution) -> Any:
+              c: token_weighting.Contribution, rules=None) -> Any:
   """Adds one micro-batch's weighted gradient to the running sum.
 
   Under ``gradient_sync="every_microbatch"`` the weighted gradient of a
-  sharded parameter is reduce-scattered into its shard first.
+  sharded parameter is reduce-scattered into its shard first. ``rules``
+  (``grad_reduction`` per leaf) may keep a replicated leaf's "max" or
+  "last"; a sharded one's would need a max-scatter: refused.
   """
 
-  def add(s, g, spec):
+  def add(s, g, spec, rule):
+    if rule != "mean":
+      if _syncs_in_loop(lay, spec):
+        raise ValueError(
+            f"grad_reduction={rule!r} for a parameter sharded over"
+            f" {lay.axis_name!r} needs gradient_sync='once', got"
+            " gradient_sync='every_microbatch'."
+        )
+      return grad_reduction_lib.add(s, g, c, [rule])
     term = token_weighting.weighted(g, c, s.dtype)
     if _syncs_in_loop(lay, spec):
       term, _ = sharding.scatter(term, spec)
     return s + term.reshape(s.shape)
 
-  return jax.tree.map(add, total, grads, lay.specs)
+  leaves, treedef = jax.tree.flatten(total)
+  rules = ["mean"] * len(leaves) if rules is None else rules
+  return jax.tree.unflatten(treedef, [
+      add(s, g, spec, rule) for s, g, spec, rule in zip(
+          leaves, treedef.flatten_up_to(grads),
+          treedef.flatten_up_to(lay.specs), rules)])
 
 
 def finish(lay: Layout, total: Any, extra: Any) -> tuple[Any, Any]:

@@ -28,6 +28,7 @@ class Inputs(NamedTuple):
   args: tuple[Any, ...]  # passed whole to every micro-batch.
   kwargs: dict[str, Any]  # passed whole to every micro-batch.
   rng: Any  # a PRNG key or None: one key per micro-batch derived from it.
+  num_real: Any = None  # int32 scalar: micro-batches to run; None: all.
 
 
 def _describe(x: Any) -> str:

@@ -20,6 +20,7 @@ from optax_accum._src import aux_reduction as aux_reduction_lib
 from optax_accum._src import axes
 from optax_accum._src import batching
 from optax_accum._src import fsdp
+from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import loss_signature
 from optax_accum._src import microbatch_rng
 from optax_accum._src import noise_scale
@@ -31,8 +32,8 @@ from optax_accum._src import validation
 class Sums(NamedTuple):
   """The loop's running sums (per device under ``axis_name``)."""
 
-  grads: Any  # like params, dtype=accumulator_dtype.
-  loss: jax.Array  # shape=(), dtype=accumulator_dtype.
+  grads: Any  # like params, dtype=accumulator_dtype (per leaf).
+  loss: jax.Array  # shape=(), validation.scalar_sum_dtype.
   tokens: jax.Array  # shape=(), dtype=jnp.float32.
   aux: aux_reduction_lib.Running | None  # None when aux is only stacked.
   stats: noise_scale.StatsSums | None  # None without with_stats.
@@ -53,6 +54,7 @@ class LoopOut(NamedTuple):
   loss_dtype: Any  # the dtype loss_fn returns.
   stacked: Any  # aux (or its stacked leaves), one entry per micro-batch.
   plan: AuxPlan | None  # None when aux is only stacked.
+  grad_rules: list[str] | None = None  # grad_reduction per leaf.
 
 
 class Options(NamedTuple):
@@ -64,12 +66,13 @@ class Options(NamedTuple):
   num_tokens_fn: Callable[[Any], Any]  # token_weighting.count_fn's.
   loss_reduction: str
   axis_name: axes.AxisName | None  # as given; the runner finds the form.
-  accumulator_dtype: Any
+  accumulator_dtype: Any  # a dtype, or a tree prefix of params of them.
   batch_axes: Any
   aux_reduction: Any
   with_stats: bool
   param_specs: Any  # None, a PartitionSpec or a tree of them.
   fsdp_policy: fsdp.Policy
+  grad_reduction: Any = None  # None: every leaf "mean".
 
 
 def _token_count(num_tokens_fn, microbatch):
@@ -105,23 +108,78 @@ def _aux_plan(loss, opts, params_for, inputs, batch_split,
 
 
 def _zero_sums(params, opts: Options, plan: AuxPlan | None,
-               lay: fsdp.Layout | None) -> Sums:
+               lay: fsdp.Layout | None, rules) -> Sums:
+  dtypes = validation.per_leaf_dtypes(opts.accumulator_dtype, params)
+  scalar_dtype = validation.scalar_sum_dtype(opts.accumulator_dtype)
   sums = Sums(
       # zeros_like keeps each parameter's sharding (model-parallel axes).
-      grads=jax.tree.map(
-          lambda p: jnp.zeros_like(p, dtype=opts.accumulator_dtype), params
-      ) if lay is None else fsdp.zero_grads(
-          lay, params, opts.accumulator_dtype),
-      loss=jnp.zeros([], opts.accumulator_dtype),
+      grads=grad_reduction_lib.start(jax.tree.map(
+          lambda p, dtype: jnp.zeros_like(p, dtype=dtype), params, dtypes
+      ) if lay is None else fsdp.zero_grads(lay, params, dtypes), rules),
+      loss=jnp.zeros([], scalar_dtype),
       tokens=jnp.zeros([], jnp.float32),
       aux=None if plan is None else aux_reduction_lib.init(
-          plan.shapes, plan.reductions, opts.accumulator_dtype),
+          plan.shapes, plan.reductions, scalar_dtype),
       stats=noise_scale.zero_sums() if opts.with_stats else None,
   )
   if lay is not None:
     # The sums are this device's partial sums: they differ by device.
     sums = axes.device_local(sums, lay.axis_name)
   return sums
+
+
+def check_num_real(num_real: Any, num_microbatches: int) -> jax.Array | None:
+  """``num_real_microbatches`` as an int32 scalar in ``[1, k]``, or None.
+
+  A concrete value outside the range raises; a traced one is clamped.
+  """
+  if num_real is None:
+    return None
+  is_int = isinstance(num_real, int) and not isinstance(num_real, bool)
+  is_int_scalar = (hasattr(num_real, "dtype") and jnp.ndim(num_real) == 0
+                   and jnp.issubdtype(num_real.dtype, jnp.integer))
+  if not (is_int or is_int_scalar):
+    raise TypeError(
+        "num_real_microbatches must be an integer scalar, got"
+        f" {num_real!r}."
+    )
+  if not isinstance(num_real, jax.core.Tracer):
+    if not 1 <= int(num_real) <= num_microbatches:
+      raise ValueError(
+          f"num_real_microbatches={int(num_real)} must be in [1,"
+          f" num_microbatches={num_microbatches}]."
+      )
+  return jnp.clip(jnp.asarray(num_real, jnp.int32), 1, num_microbatches)
+
+
+def _run_microbatches(step, init, num_microbatches, num_real):
+  """``lax.scan(step, init, arange(k))``, or only the first ``num_real``.
+
+  With ``num_real`` the loop is a ``lax.fori_loop`` with that traced trip
+  count (an XLA while loop: the micro-batches past it are not computed, and
+  another count needs no recompilation); the outputs of the skipped
+  micro-batches are zeros.
+  """
+  indices = jnp.arange(num_microbatches)
+  if num_real is None:
+    return lax.scan(step, init, indices)
+  def zeros(shape):
+    buffer = jnp.zeros((num_microbatches,) + shape.shape, shape.dtype)
+    # Under shard_map the outputs may vary over the axis: so must the carry.
+    vma = tuple(sorted(axes.varying_axes(shape)))
+    return lax.pcast(buffer, vma, to="varying") if vma else buffer
+
+  stacked = jax.tree.map(
+      zeros, jax.eval_shape(lambda: step(init, indices[0])[1]))
+
+  def body(index, state):
+    carry, stacked = state
+    carry, out = step(carry, index)
+    return carry, jax.tree.map(
+        lambda buf, x: lax.dynamic_update_index_in_dim(buf, x, index, 0),
+        stacked, out)
+
+  return lax.fori_loop(0, num_real, body, (init, stacked))
 
 
 def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
@@ -140,6 +198,7 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
       sharded_layout_for_auto=lay is None,
   )
   plan = _aux_plan(loss, opts, params_for, inputs, batch_split, lay)
+  rules = grad_reduction_lib.per_leaf(opts.grad_reduction, params)
   value_and_grad_fn = jax.value_and_grad(loss, has_aux=True)
 
   def step(carry, index):
@@ -156,23 +215,30 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
       running, stacked = aux_reduction_lib.update(
           running, jax.tree.leaves(aux), plan.reductions, tokens)
     sums = Sums(
-        grads=token_weighting.add(sums.grads, grads, c) if lay is None
-        else fsdp.add_grads(lay, sums.grads, grads, c),
+        grads=grad_reduction_lib.add(sums.grads, grads, c, rules)
+        if lay is None else fsdp.add_grads(lay, sums.grads, grads, c, rules),
         loss=sums.loss + token_weighting.weighted(value, c, sums.loss.dtype),
         tokens=sums.tokens + c.tokens,
         aux=running,
         stats=None if sums.stats is None else noise_scale.add(
-            sums.stats, grads, c, opts.loss_reduction),
+            sums.stats, grad_reduction_lib.only_means(grads, rules), c,
+            opts.loss_reduction),
     )
     # The per-micro-batch losses only tell their dtype: XLA drops them.
     return (sums, model_state), (value, stacked)
 
   with jax.named_scope("optax_accum_microbatch_loop"):
-    (sums, model_state), (values, stacked) = lax.scan(
-        step, (_zero_sums(params, opts, plan, lay), inputs.model_state),
-        jnp.arange(opts.num_microbatches),
+    (sums, model_state), (values, stacked) = _run_microbatches(
+        step, (_zero_sums(params, opts, plan, lay, rules),
+               inputs.model_state),
+        opts.num_microbatches, inputs.num_real,
     )
-  return sums, LoopOut(model_state, values.dtype, stacked, plan)
+  if lay is not None:
+    # The "max" leaves' pmax, once; the one sum over devices that follows
+    # then leaves them as they are.
+    sums = sums._replace(grads=grad_reduction_lib.max_over_devices(
+        sums.grads, rules, lay.axis_name, keep_on_one_device=True))
+  return sums, LoopOut(model_state, values.dtype, stacked, plan, rules)
 
 
 def finish(sums: Sums, out: LoopOut, params,
@@ -183,11 +249,13 @@ def finish(sums: Sums, out: LoopOut, params,
   ``sq_norm`` is the squared norm of a gradient tree: the sum over devices of
   its shards' when the gradient comes back sharded (FSDP).
   """
-  grads = token_weighting.mean(sums.grads, sums.tokens, params)
+  grads = grad_reduction_lib.finish(sums.grads, sums.tokens, params,
+                                    out.grad_rules)
   stats = None
   if sums.stats is not None:
     # The norm of the mean in the accumulator's precision, not the params'.
-    exact = token_weighting.mean(sums.grads, sums.tokens, sums.grads)
+    exact = grad_reduction_lib.only_means(token_weighting.mean(
+        sums.grads, sums.tokens, sums.grads), out.grad_rules)
     stats = noise_scale.estimate_from_norm(
         sums.stats, sq_norm(exact), sums.tokens)
   loss = token_weighting.mean(

@@ -80,6 +80,63 @@ def check_accumulator_dtype(value: Any) -> jnp.dtype:
   return dtype
 
 
+def _is_dtype_leaf(x: Any) -> bool:
+  """A dtype-like leaf: a dtype, a scalar type, or its name."""
+  return x is None or isinstance(x, (str, jnp.dtype, type))
+
+
+def check_accumulator_dtypes(value: Any) -> Any:
+  """Checks ``accumulator_dtype``: a floating dtype, or a pytree of them.
+
+  A tree is a pytree prefix of the parameters (checked against them at
+  ``init`` or trace time, by :func:`per_leaf_dtypes`). Returns the dtype, or
+  the tree with each leaf a :class:`jnp.dtype`.
+  """
+  if _is_dtype_leaf(value) and value is not None:
+    return check_accumulator_dtype(value)
+  leaves = jax.tree_util.tree_flatten_with_path(value,
+                                                is_leaf=_is_dtype_leaf)[0]
+  if not leaves:
+    raise ValueError(
+        "accumulator_dtype must be a floating dtype or a pytree prefix of"
+        f" the parameters with floating dtypes as leaves, got {value!r}."
+    )
+  for path, leaf in leaves:
+    where = f"accumulator_dtype{jax.tree_util.keystr(path)}"
+    try:
+      dtype = None if leaf is None else jnp.dtype(leaf)
+    except TypeError as e:
+      raise TypeError(
+          f"{where} must be a floating dtype, got {leaf!r}."
+      ) from e
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(
+          f"{where} must be a floating dtype such as jnp.float32, got"
+          f" {leaf!r}."
+      )
+  return jax.tree.map(jnp.dtype, value, is_leaf=_is_dtype_leaf)
+
+
+def scalar_sum_dtype(accumulator_dtype: Any) -> jnp.dtype:
+  """The dtype of the loss's and aux's running sums.
+
+  A single ``accumulator_dtype`` is theirs too; with one per leaf (a tree)
+  they stay float32.
+  """
+  if isinstance(accumulator_dtype, jnp.dtype):
+    return accumulator_dtype
+  return jnp.dtype(jnp.float32)
+
+
+def per_leaf_dtypes(accumulator_dtype: Any, params: Any) -> Any:
+  """``accumulator_dtype`` spread over ``params``: a tree of dtypes like it."""
+  if isinstance(accumulator_dtype, jnp.dtype):
+    return jax.tree.map(lambda _: accumulator_dtype, params)
+  dtypes = prefix_leaves("accumulator_dtype", accumulator_dtype, params,
+                         "the parameters", is_leaf=_is_dtype_leaf)
+  return jax.tree.unflatten(jax.tree.structure(params), dtypes)
+
+
 def check_axis_name(value: Any) -> str | tuple[str, ...] | None:
   """Checks an axis name: None, a hashable name, or a tuple of names."""
   if value is None:
@@ -293,20 +350,36 @@ def refuse_near_misses(extra_args: dict[str, Any],
       )
 
 
-def prefix_leaves(name: str, prefix: Any, tree: Any, tree_name: str) -> list:
+def _mismatch(prefix: Any, tree: Any, is_leaf) -> str:
+  """Where ``prefix`` stops being a prefix of ``tree``: a sentence, or ''."""
+  tree_paths = [path for path, _ in
+                jax.tree_util.tree_flatten_with_path(tree)[0]]
+  for path, _ in jax.tree_util.tree_flatten_with_path(prefix,
+                                                      is_leaf=is_leaf)[0]:
+    if not any(p[:len(path)] == path for p in tree_paths):
+      return f" Its entry at {jax.tree_util.keystr(path)} matches no leaf."
+  return ""
+
+
+def prefix_leaves(name: str, prefix: Any, tree: Any, tree_name: str,
+                  is_leaf=None) -> list:
   """The entry of ``prefix`` that covers each leaf of ``tree``, in order.
 
   ``prefix`` is a pytree prefix of ``tree`` (like :func:`jax.vmap`'s
   ``in_axes``) whose leaves, None included, each stand for a whole subtree.
+  ``is_leaf`` marks further leaves of ``prefix``.
   """
-  entries, prefix_def = jax.tree.flatten(prefix, is_leaf=lambda x: x is None)
+  def prefix_leaf(x):
+    return x is None or (is_leaf is not None and is_leaf(x))
+
+  entries, prefix_def = jax.tree.flatten(prefix, is_leaf=prefix_leaf)
   try:
     subtrees = prefix_def.flatten_up_to(tree)
   except (ValueError, TypeError) as e:
     raise ValueError(
         f"{name} must be a single value or a pytree prefix of {tree_name};"
         f" {name} has structure {prefix_def} but {tree_name} has structure"
-        f" {jax.tree.structure(tree)}."
+        f" {jax.tree.structure(tree)}.{_mismatch(prefix, tree, prefix_leaf)}"
     ) from e
   return [
       entry

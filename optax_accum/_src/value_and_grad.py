@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from optax_accum._src import aux_reduction as aux_reduction_lib
 from optax_accum._src import batching
 from optax_accum._src import fsdp
+from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import loss_signature
 from optax_accum._src import microbatch_loop as loop_lib
 from optax_accum._src import microbatch_rng
@@ -48,6 +49,7 @@ def value_and_grad(
     gradient_sync: str = "once",
     gather_params: str = "once",
     param_specs: Any = None,
+    grad_reduction: Any = "mean",
 ) -> Callable[..., Any]:
   r"""Like :func:`jax.value_and_grad`, over a batch split into micro-batches.
 
@@ -135,7 +137,10 @@ def value_and_grad(
       ``num_tokens_fn(microbatch)`` items of its micro-batch.
     axis_name: data-parallel axis (or axes) to sum over once after the loop:
       a manual axis (shard_map, pmap) or an axis of the current mesh (jit).
-    accumulator_dtype: floating dtype of the running sums.
+    accumulator_dtype: floating dtype of the running sums, or a pytree
+      prefix of the parameters of such dtypes (one per parameter subtree:
+      e.g. bfloat16 for a huge embedding); the loss's and aux's sums are then
+      float32.
     batch_axes: the axis of each batch leaf to split into micro-batches: an
       int, None, or a pytree prefix of ``batch`` of those (like
       :func:`jax.vmap`'s ``in_axes``). None passes the leaf whole to every
@@ -178,9 +183,28 @@ def value_and_grad(
       sharded (None: replicated); under jit with a mesh, how to shard them
       over ``axis_name`` (None: read off their types, which only Explicit
       axes carry). Only the entries over ``axis_name`` matter.
+    grad_reduction: how each gradient leaf is reduced over micro-batches:
+      ``"mean"`` (the token-weighted mean above), ``"max"`` (the maximum over
+      the micro-batches with tokens, and over devices with ``axis_name``:
+      FP8 amax histories and scales), ``"last"`` (the last micro-batch with
+      tokens; not with ``axis_name``), or a pytree prefix of the parameters
+      of those. A "max" or "last" leaf takes the raw gradient (neither
+      weighted nor divided by the token count) and is zero if no micro-batch
+      has tokens. For FP8 (``flax.linen.fp8_ops``) use
+      ``loss_reduction="sum"``: see ``docs/fp8.md``.
+
+  A variable batch without recompiling: ``fn(..., num_real_microbatches=n)``
+  computes only the first ``n`` micro-batches (the loop is then an XLA while
+  loop with ``n`` as its trip count, so the others cost nothing): value,
+  gradient, aux, model state and keys are those of these ``n`` (stacked aux
+  holds zeros past them). ``n`` may be traced: another ``n`` reuses the
+  compiled program. A concrete ``n`` outside ``[1, num_microbatches]``
+  raises ``ValueError``; a traced one is clamped into that range. With
+  ``axis_name`` it must be the same on every device.
 
   Returns:
-    A function ``fn(params, batch, *args, rng=None, **kwargs)``
+    A function ``fn(params, batch, *args, rng=None,
+    num_real_microbatches=None, **kwargs)``
     (``fn(params, model_state, batch, ...)`` with ``has_state``) returning
     ``(loss, grads)``; with ``has_aux``, ``((loss, aux), grads)``; with
     ``has_state``, ``((loss, model_state), grads)``, or ``((loss,
@@ -234,12 +258,14 @@ def value_and_grad(
       ),
       loss_reduction=validation.check_loss_reduction(loss_reduction),
       axis_name=validation.check_axis_name(axis_name),
-      accumulator_dtype=validation.check_accumulator_dtype(accumulator_dtype),
+      accumulator_dtype=validation.check_accumulator_dtypes(
+          accumulator_dtype),
       batch_axes=batching.check_batch_axes(batch_axes),
       aux_reduction=aux_reduction_lib.check(aux_reduction, has_aux),
       with_stats=validation.check_bool("with_stats", with_stats),
       param_specs=fsdp.check_param_specs(param_specs),
       fsdp_policy=fsdp.policy(gradient_sync, gather_params),
+      grad_reduction=grad_reduction_lib.check(grad_reduction, axis_name),
   )
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
@@ -253,11 +279,12 @@ def value_and_grad(
       opts.param_specs, opts.fsdp_policy)
 
   @functools.wraps(loss_fn)
-  def fn(params, *rest, rng=None, **kwargs):
+  def fn(params, *rest, rng=None, num_real_microbatches=None, **kwargs):
     model_state, batch, args = loss_signature.split_call_args(
         rest, opts.has_state)
     inputs = loss_signature.Inputs(
-        model_state, batch, args, kwargs, microbatch_rng.check(rng))
+        model_state, batch, args, kwargs, microbatch_rng.check(rng),
+        loop_lib.check_num_real(num_real_microbatches, opts.num_microbatches))
     result = runner.run(program, settings, params, inputs)
     result = result._replace(aux=aux_reduction_lib.merge(result.aux))
     value, grads = loss_signature.pack(result, opts.has_aux, opts.has_state)
