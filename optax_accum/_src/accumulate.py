@@ -211,6 +211,20 @@ def _cycle_after(state, grads, contribution, loss_reduction,
   )
 
 
+def _check_deferred(updates, with_stats, grad_reduction) -> None:
+  """What unreduced gradients under jit cannot do, refused by name."""
+  if with_stats:
+    raise ValueError(_STATS_UNREDUCED)
+  if any(r != "mean" for r in grad_reduction_lib.per_leaf(
+      grad_reduction, updates)):
+    raise ValueError(
+        f"grad_reduction={grad_reduction!r} with unreduced gradients under"
+        " jax.jit: a max over the devices' partial gradients is not the"
+        " max of their sum. Use grad_reduction='mean' there, or"
+        " accumulate inside jax.shard_map."
+    )
+
+
 class _Rules(NamedTuple):
   """The settings a micro-step is added under."""
 
@@ -539,16 +553,8 @@ def accumulate(
     if extra_args and not takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
     deferred = unreduced_sums.is_deferred(axis_name)
-    if deferred and with_stats:
-      raise ValueError(_STATS_UNREDUCED)
-    if deferred and any(r != "mean" for r in grad_reduction_lib.per_leaf(
-        grad_reduction, updates)):
-      raise ValueError(
-          f"grad_reduction={grad_reduction!r} with unreduced gradients under"
-          " jax.jit: a max over the devices' partial gradients is not the"
-          " max of their sum. Use grad_reduction='mean' there, or"
-          " accumulate inside jax.shard_map."
-      )
+    if deferred:
+      _check_deferred(updates, with_stats, grad_reduction)
     if num_tokens is None:
       tokens = missing_count.count()  # warned once the call is checked.
     else:
