@@ -215,8 +215,8 @@ def _check_deferred(updates, with_stats, grad_reduction) -> None:
   """What unreduced gradients under jit cannot do, refused by name."""
   if with_stats:
     raise ValueError(_STATS_UNREDUCED)
-  if any(r != "mean" for r in grad_reduction_lib.per_leaf(
-      grad_reduction, updates)):
+  leaf_rules = grad_reduction_lib.per_leaf(grad_reduction, updates)
+  if leaf_rules is not None and any(r != "mean" for r in leaf_rules):
     raise ValueError(
         f"grad_reduction={grad_reduction!r} with unreduced gradients under"
         " jax.jit: a max over the devices' partial gradients is not the"
@@ -239,7 +239,7 @@ class _MicroStep(NamedTuple):
   """A micro-step added to the running sums, before the emit decision."""
 
   grads: Any  # the incoming gradients, checked and floating.
-  leaf_rules: list[str]  # grad_reduction of each gradient leaf.
+  leaf_rules: list[str] | None  # each leaf's rule; None: all "mean".
   cycle: emitting.Cycle
   nonfinite_count: jax.Array  # like state.nonfinite_count.
   skipped_count: jax.Array  # like state.skipped_count.
@@ -296,7 +296,7 @@ def _add_unreduced_microstep(updates, state, params, num_tokens, tokens,
     grad_sum, token_count, nonfinite_count, skipped_count = sums
     own = lambda x: jnp.where(
         unreduced_sums.is_first_device(rules.axis_name), x, 0)
-    return (_add_to_sum(grad_sum, grads, c, cycle_start),
+    return (_add_to_sum(grad_sum, grads, c, cycle_start, None),
             token_count + own(c.tokens),
             nonfinite_count + own(nonfinite.astype(jnp.int32)),
             skipped_count + own(skipped.astype(jnp.int32)))
@@ -310,7 +310,7 @@ def _add_unreduced_microstep(updates, state, params, num_tokens, tokens,
       ))
   return _MicroStep(
       grads=updates,
-      leaf_rules=grad_reduction_lib.per_leaf("mean", updates),
+      leaf_rules=None,  # all "mean": _check_deferred refuses the others.
       cycle=emitting.Cycle(grad_sum, token_count, None),
       nonfinite_count=nonfinite_count,
       skipped_count=skipped_count,
