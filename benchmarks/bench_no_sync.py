@@ -108,12 +108,13 @@ def _programs(model, k):
                           P("data")) for i in range(k)]
   whole = jax.device_put(batch, P("data"))
   sgd = optax.sgd(0.1)
-  naive_tx = oa.accumulate(sgd, every_k=k)
-  deferred_tx = oa.accumulate(sgd, every_k=k, axis_name="data")
+  naive_tx = oa.accumulate(sgd, every_k=k, equal_weights=True)
+  deferred_tx = oa.accumulate(sgd, every_k=k, axis_name="data",
+                             equal_weights=True)
   grad_fn = oa.value_and_grad(loss_fn, num_microbatches=1, axis_name="data",
-                              gradient_sync="deferred")
+                              gradient_sync="deferred", equal_weights=True)
   one_call_fn = oa.value_and_grad(loss_fn, num_microbatches=k,
-                                  axis_name="data")
+                                  axis_name="data", equal_weights=True)
 
   def naive(p, s, b):
     u, s = naive_tx.update(jax.grad(loss_fn)(p, b), s, p)

@@ -67,7 +67,7 @@ def _top_level_primitives(fn, *args):
 
 
 def test_the_add_is_inside_the_conditional():
-  tx = oa.accumulate(optax.sgd(1.0), every_k=2)
+  tx = oa.accumulate(optax.sgd(1.0), every_k=2, equal_weights=True)
   params = {"w": jnp.ones(3)}
   updates, state = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
   ours = _top_level_primitives(oa.apply_if_updated, params, updates, state)

@@ -220,7 +220,7 @@ def test_the_plan_takes_args_rng_and_keyword_arguments():
   _plan_and_run(
       loss, (w, batch, 2.0),
       lambda: jax.value_and_grad(loss)(w, batch, 2.0, rng=None, power=2),
-      rng=jax.random.key(0), loss_kwargs={"power": 2})
+      rng=jax.random.key(0), loss_kwargs={"power": 2}, equal_weights=True)
 
 
 def test_the_plan_threads_model_state():
@@ -231,7 +231,8 @@ def test_the_plan_threads_model_state():
     return jnp.mean(jnp.tanh(mb["x"] @ w) ** 2), state + 1.0
 
   plan = oa.plan_microbatches(loss, w, state, batch, memory_budget=2**30,
-                              candidates=(2,), has_state=True)
+                              candidates=(2,), has_state=True,
+                              equal_weights=True)
   (value, new_state), grads = plan.value_and_grad(w, state, batch)
   assert float(new_state) == 2.0  # one step per micro-batch.
   full = jax.value_and_grad(lambda w: loss(w, state, batch)[0])(w)
@@ -255,7 +256,8 @@ def test_a_shard_map_step_is_planned_with_wrap():
   wrap = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")),
                                   out_specs=P())
   plan = oa.plan_microbatches(loss, w, batch, memory_budget=2**30,
-                              candidates=(1,), wrap=wrap, axis_name="data")
+                              candidates=(1,), wrap=wrap, axis_name="data",
+                              equal_weights=True)
   counts = plan.table[0].collectives
   assert counts.total == {"all-reduce": 1}, counts  # the one reduction.
   value, grads = jax.jit(wrap(plan.value_and_grad))(w, batch)

@@ -70,7 +70,7 @@ def apply_if_updated(
     >>> import jax.numpy as jnp
     >>> import optax
     >>> import optax_accum as oa
-    >>> tx = oa.accumulate(optax.sgd(1.0), every_k=2)
+    >>> tx = oa.accumulate(optax.sgd(1.0), every_k=2, equal_weights=True)
     >>> params = {'w': jnp.ones(2)}
     >>> state = tx.init(params)
     >>> @jax.jit
