@@ -14,8 +14,6 @@ its budget. The time is what planning took, against the goal of 2 minutes.
 
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 
@@ -117,17 +115,7 @@ def plan(cfg):
 
 def run(cfg):
   """Runs :func:`plan` in a child process with 8 simulated devices."""
-  here = os.path.dirname(os.path.abspath(__file__))
-  done = subprocess.run(
-      [sys.executable, os.path.abspath(__file__), json.dumps(cfg)],
-      capture_output=True, text=True, check=False, cwd=here,
-      env={**os.environ,
-           "PYTHONPATH": os.pathsep.join(
-               [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
-           )})
-  if done.returncode:
-    raise RuntimeError(f"bench_plan_8b's child failed:\n{done.stderr}")
-  return json.loads(done.stdout.splitlines()[-1])
+  return harness.in_child(__file__, cfg)
 
 
 def checks(result):

@@ -8,10 +8,13 @@ p25-p75 of wall-clock time and the median of process CPU time. Memory is what
 XLA's ``compiled.memory_analysis()`` says the program allocates.
 """
 
+import json
 import os
 import platform
 import resource
 import statistics
+import subprocess
+import sys
 import time
 from typing import NamedTuple
 
@@ -113,6 +116,27 @@ def page_faults_per_call(runner, calls):
   before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   runner.steps(calls)
   return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+
+def in_child(script, cfg, env=None, drop=()):
+  """Runs ``python script 'cfg as JSON'``; returns the JSON of its last line.
+
+  The child runs in benchmarks/ with this process's environment, less the
+  variables named in ``drop``, plus ``env``: for settings that only a new
+  process takes (jax's device count, glibc's malloc tunables).
+  """
+  here = os.path.dirname(os.path.abspath(__file__))
+  child_env = {k: v for k, v in os.environ.items() if k not in drop}
+  child_env.update(env or {})
+  child_env["PYTHONPATH"] = os.pathsep.join(
+      [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+  done = subprocess.run(
+      [sys.executable, os.path.abspath(script), json.dumps(cfg)],
+      capture_output=True, text=True, check=False, cwd=here, env=child_env)
+  if done.returncode:
+    raise RuntimeError(f"{os.path.basename(script)}'s child failed:\n"
+                       f"{done.stderr}")
+  return json.loads(done.stdout.splitlines()[-1])
 
 
 def load_average():
