@@ -120,7 +120,8 @@ def measure(runner, n):
 DEFAULTS, KEPT = "glibc malloc defaults", "freed memory kept"
 # glibc's own switches: never map a block fresh (mmap_max=0), never give
 # freed memory back (a trim threshold of 16 GiB).
-KEEP_FREED = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
+KEEP_FREED = ("glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
+              "glibc.malloc.trim_threshold=17179869184")
 ALLOCATORS = {DEFAULTS: {}, KEPT: {"GLIBC_TUNABLES": KEEP_FREED}}
 _MALLOC_ENV = ("GLIBC_TUNABLES", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_",
                "MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD")

@@ -32,7 +32,7 @@ TITLE = "Gradient noise scale: with_stats=True vs without"
 # The models and sizes of c: the overhead is relative to the same gradient
 # computation; the full run takes more repetitions for a ratio near 1.
 CONFIGS = {
-    size: {**cfg, "reps": 9 if size == "full" else cfg["reps"]}
+    size: {**cfg, "reps": 15 if size == "full" else cfg["reps"]}
     for size, cfg in bench_value_and_grad.CONFIGS.items()
 }
 STATS, PLAIN = "with_stats=True", "without"

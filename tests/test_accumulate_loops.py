@@ -29,7 +29,7 @@ import pytest
 
 import helpers
 import optax_accum as oa
-import test_trajectory as trajectory_test
+import trajectories as tr
 
 K = 4
 RTOL = 1e-6
@@ -181,7 +181,7 @@ def test_emit_is_never_passed_to_inner():
 # --------------------------------------------------------------------------
 # The end of an epoch: the partial window is a smaller full batch.
 
-_EPOCH = trajectory_test._batches([4, 4, 2])  # pylint: disable=protected-access
+_EPOCH = tr.make_batches([4, 4, 2])
 
 
 # How the last micro-batch of the epoch is flagged: True on it and None on
@@ -199,7 +199,7 @@ def _epoch_trajectory(tx, emit_form="true_or_none"):
 
   @functools.partial(jax.jit, static_argnames=None if traced else "emit")
   def step(params, opt_state, micro_batch, emit=None):
-    grads = jax.grad(trajectory_test._mean_loss)(params, micro_batch)
+    grads = jax.grad(tr.mean_loss)(params, micro_batch)
     updates, opt_state = tx.update(
         grads, opt_state, params, num_tokens=helpers.num_tokens(micro_batch),
         emit=emit,
@@ -207,9 +207,9 @@ def _epoch_trajectory(tx, emit_form="true_or_none"):
     return optax.apply_updates(params, updates), opt_state
 
   micro_batches = [mb for batch in _EPOCH
-                   for mb in trajectory_test._micro_batches(batch)]
+                   for mb in tr.micro_batches_of(batch)]
   assert len(micro_batches) == 10
-  params = trajectory_test._params()
+  params = tr.initial_params()
   opt_state = tx.init(params)
   trajectory = []
   for i, mb in enumerate(micro_batches):
@@ -223,20 +223,20 @@ def _epoch_trajectory(tx, emit_form="true_or_none"):
 
 @pytest.mark.parametrize("emit_form", list(_EMIT_FORMS))
 def test_epoch_end_partial_window_matches_full_batch_training(emit_form):
-  tx = oa.accumulate(trajectory_test._inner(), K)
+  tx = oa.accumulate(tr.inner_optimizer(), K)
   trajectory, state = _epoch_trajectory(tx, emit_form)
   assert len(trajectory) == 3  # every_k's two updates, then the partial.
-  expected, grad_norms = trajectory_test._full_batch_trajectory(_EPOCH)
-  trajectory_test._assert_same_trajectory(trajectory, expected)
-  assert trajectory_test._inner_counts(state.inner_state) == [3, 3]
-  assert any(n > trajectory_test.CLIP for n in grad_norms)  # clipping bites.
+  expected, grad_norms = tr.full_batch_trajectory(_EPOCH)
+  tr.assert_same_trajectory(trajectory, expected)
+  assert tr.inner_counts(state.inner_state) == [3, 3]
+  assert any(n > tr.CLIP for n in grad_norms)  # clipping bites.
   # Negative controls: Lightning scaled the partial window by 2/4 (its sum
   # of micro-batch means divided by k); mlx-lm dropped it.
-  lightning, _ = trajectory_test._full_batch_trajectory(
+  lightning, _ = tr.full_batch_trajectory(
       _EPOCH, grad_scale=lambda b: 0.5 if len(b["mask"]) == 4 else 1.0
   )
-  assert trajectory_test._differs(lightning, expected)
-  assert trajectory_test._differs(expected[:2], expected)
+  assert tr.differs(lightning, expected)
+  assert tr.differs(expected[:2], expected)
 
 
 # --------------------------------------------------------------------------
@@ -258,22 +258,22 @@ def _budget_groups(micro_batches):
 
 
 def test_token_budget_boundary_matches_full_batch_training():
-  stream = [mb for batch in trajectory_test._batches([12])
-            for mb in trajectory_test._micro_batches(batch)]
+  stream = [mb for batch in tr.make_batches([12])
+            for mb in tr.micro_batches_of(batch)]
   groups, rest = _budget_groups(stream)
   assert len({len(g) for g in groups}) > 1 and rest, "boundaries too regular"
-  tx = oa.accumulate(trajectory_test._inner(), every_k=None)
+  tx = oa.accumulate(tr.inner_optimizer(), every_k=None)
 
   @jax.jit
   def step(params, opt_state, micro_batch):
-    grads = jax.grad(trajectory_test._mean_loss)(params, micro_batch)
+    grads = jax.grad(tr.mean_loss)(params, micro_batch)
     n = helpers.num_tokens(micro_batch)
     emit = opt_state.token_count + n >= BUDGET  # the state before the call.
     updates, opt_state = tx.update(grads, opt_state, params, num_tokens=n,
                                    emit=emit)
     return optax.apply_updates(params, updates), opt_state
 
-  params = trajectory_test._params()
+  params = tr.initial_params()
   opt_state = tx.init(params)
   trajectory = []
   for mb in stream:
@@ -286,8 +286,8 @@ def test_token_budget_boundary_matches_full_batch_training():
   trajectory.append(optax.apply_updates(params, updates))
   batches = [jax.tree.map(lambda *xs: jnp.concatenate(xs), *g)
              for g in groups + [rest]]
-  expected, _ = trajectory_test._full_batch_trajectory(batches)
-  trajectory_test._assert_same_trajectory(trajectory, expected)
+  expected, _ = tr.full_batch_trajectory(batches)
+  tr.assert_same_trajectory(trajectory, expected)
   assert float(opt_state.token_count) == 0.0 and int(opt_state.count) == len(
       batches)
 

@@ -274,6 +274,15 @@ def test_hsdp_reduce_scatters_each_call_and_reduces_replica_once():
   assert counts.in_branch.get("all-reduce", 0) >= 1, counts
 
 
+def _refused(step, tx, match):
+  """``step`` on one replicated-parameter micro-batch raises ``match``."""
+  with jax.set_mesh(_mesh()):
+    params = jax.device_put(_params(), P())
+    batch = jax.device_put(_micro_batches(1)[0], P("data"))
+    with pytest.raises(ValueError, match=match):
+      step(params, tx.init(params), batch)
+
+
 def test_replicated_gradient_is_refused_not_counted_per_device():
   tx = oa.accumulate(optax.sgd(1.0), every_k=K, axis_name="data")
 
@@ -282,23 +291,14 @@ def test_replicated_gradient_is_refused_not_counted_per_device():
     grads = jax.grad(_loss)(params, batch)  # already reduced: P().
     return tx.update(grads, state, params, num_tokens=1.0)
 
-  with jax.set_mesh(_mesh()):
-    params = jax.device_put(_params(), P())
-    batch = jax.device_put(_micro_batches(1)[0], P("data"))
-    with pytest.raises(ValueError, match=r"not unreduced over \['data'\].*"
-                       r"gradient_sync='deferred'"):
-      micro_step(params, tx.init(params), batch)
+  _refused(micro_step, tx, r"not unreduced over \['data'\].*"
+           r"gradient_sync='deferred'")
 
 
 def test_unreduced_gradient_needs_accumulate_with_axis_name():
   tx = oa.accumulate(optax.sgd(1.0), every_k=K)
-  step = _micro_step(tx, _grad_fn())
-  with jax.set_mesh(_mesh()):
-    params = jax.device_put(_params(), P())
-    batch = jax.device_put(_micro_batches(1)[0], P("data"))
-    with pytest.raises(ValueError, match=r"unreduced over \['data'\].*"
-                       r"axis_name=None.*axis_name='data'"):
-      step(params, tx.init(params), batch)
+  _refused(_micro_step(tx, _grad_fn()), tx,
+           r"unreduced over \['data'\].*axis_name=None.*axis_name='data'")
 
 
 def test_unreduced_gradient_into_plain_optax_is_refused_by_jax():
@@ -321,12 +321,7 @@ def test_unreduced_gradient_into_plain_optax_is_refused_by_jax():
 def test_should_skip_reading_unreduced_gradients_gets_our_error():
   tx = oa.accumulate(optax.sgd(1.0), every_k=K, axis_name="data",
                      should_skip=lambda g, s, p: optax.tree.norm(g) > 1e3)
-  step = _micro_step(tx, _grad_fn())
-  with jax.set_mesh(_mesh()):
-    params = jax.device_put(_params(), P())
-    batch = jax.device_put(_micro_batches(1)[0], P("data"))
-    with pytest.raises(ValueError, match=r"should_skip.*unreduced"):
-      step(params, tx.init(params), batch)
+  _refused(_micro_step(tx, _grad_fn()), tx, r"should_skip.*unreduced")
 
 
 def test_with_stats_is_refused_on_unreduced_gradients():
