@@ -9,6 +9,7 @@ loop (``vmap`` over the micro-batches) saves nothing, and the test says so.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -115,3 +116,31 @@ def test_micro_step_needs_no_copy_of_the_sum_or_the_inner_state():
   report = {"ours": ours / MiB, "MultiSteps": multi_steps / MiB}
   assert ours < 0.1 * param_bytes, report
   assert multi_steps >= param_bytes, report
+
+
+def _param_sized_copies(hlo_text, shape):
+  """How many ``copy`` instructions of a parameter's shape a program runs."""
+  dims = ",".join(map(str, shape))
+  return len(re.findall(rf"= f32\[{dims}\]\S* copy\(", hlo_text))
+
+
+def test_zero_updates_are_written_once_not_copied():
+  """A non-emitting train step writes each zero update once, in place.
+
+  XLA merges identical zero broadcasts of same-shaped leaves into one buffer
+  and then copies it into every update leaf (ten leaves: ten parameter-sized
+  copies per call); each leaf's zeros must stay distinct.
+  """
+  import optax  # pylint: disable=import-outside-toplevel
+
+  shape = (256, 256)
+  params = {f"w{i}": jnp.zeros(shape) for i in range(4)}
+  tx = oa.accumulate(optax.adamw(1e-3), 1 << 30, equal_weights=True)
+
+  def train_step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return oa.apply_if_updated(params, updates, state), state
+
+  step = jax.jit(train_step, donate_argnums=(0, 1))
+  text = step.lower(params, tx.init(params), params).compile().as_text()
+  assert _param_sized_copies(text, shape) == 0
