@@ -79,8 +79,20 @@ def test_the_add_is_inside_the_conditional():
 
 def test_refuses_a_state_without_ours():
   params = {"w": jnp.ones(2)}
-  with pytest.raises(ValueError, match="AccumulateState"):
+  with pytest.raises(ValueError, match=r"^state must contain an Accumulate"):
     oa.apply_if_updated(params, params, optax.sgd(1.0).init(params))
+  with pytest.raises(ValueError, match=r"^state must contain.*NoneType"):
+    oa.apply_if_updated(params, params, None)
+
+
+def test_refuses_updates_not_shaped_like_the_params():
+  tx = oa.accumulate(optax.sgd(1.0), every_k=2, equal_weights=True)
+  params = {"w": jnp.ones(2), "b": jnp.ones(())}
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"^updates must have the tree"):
+    oa.apply_if_updated(params, {"w": jnp.ones(2)}, state)
+  with pytest.raises(ValueError, match=r"updates\['w'\] has shape \(3,\)"):
+    oa.apply_if_updated(params, {"w": jnp.ones(3), "b": jnp.ones(())}, state)
 
 
 def test_nnx_without_optimizer_update_matches_nnx_optimizer():

@@ -544,6 +544,7 @@ def accumulate(
                  grad_reduction)
 
   def init_fn(params):
+    grad_reduction_lib.per_leaf(grad_reduction, params)  # fits the params?
     return _init_state(inner.init(params), params, accumulator_dtype,
                        axis_name, with_stats)
 

@@ -9,7 +9,9 @@ passes its parameters through untouched.
 
 from typing import Any
 
+import jax
 from jax import lax
+import jax.numpy as jnp
 import optax
 
 from optax_accum._src import state_lookup
@@ -18,6 +20,28 @@ from optax_accum._src import state_lookup
 def _keep(params, updates):
   del updates
   return params
+
+
+def _check_like_params(params: Any, updates: Any) -> None:
+  """Refuses updates that are not shaped like the parameters."""
+  is_none = lambda x: x is None
+  params_def = jax.tree.structure(params, is_leaf=is_none)
+  updates_def = jax.tree.structure(updates, is_leaf=is_none)
+  if params_def != updates_def:
+    raise ValueError(
+        "updates must have the tree structure of params (the updates that"
+        f" tx.update returned for them); params has {params_def}, updates"
+        f" has {updates_def}."
+    )
+  leaves = jax.tree.leaves(updates, is_leaf=is_none)
+  with_paths = jax.tree_util.tree_leaves_with_path(params, is_leaf=is_none)
+  for (path, p), u in zip(with_paths, leaves):
+    if p is not None and u is not None and jnp.shape(p) != jnp.shape(u):
+      where = jax.tree_util.keystr(path)
+      raise ValueError(
+          f"updates{where} has shape {jnp.shape(u)}, but params{where} has"
+          f" shape {jnp.shape(p)}."
+      )
 
 
 def apply_if_updated(
@@ -63,7 +87,8 @@ def apply_if_updated(
     The new parameters, shaped and typed like ``params``.
 
   Raises:
-    ValueError: if ``state`` contains no :class:`AccumulateState`.
+    ValueError: if ``state`` contains no :class:`AccumulateState`, or if
+      ``updates`` is not shaped like ``params``.
 
   Examples:
     >>> import jax
@@ -84,5 +109,6 @@ def apply_if_updated(
     >>> params['w']  # 1 - mean of the two gradients
     Array([-1., -1.], dtype=float32)
   """
+  _check_like_params(params, updates)
   updated = state_lookup.has_updated(state)
   return lax.cond(updated, optax.apply_updates, _keep, params, updates)

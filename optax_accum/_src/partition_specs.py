@@ -80,7 +80,7 @@ def state_partition_specs(
     ({'w': P('data',)}, P('data',), P())
   """
   is_state = lambda x: isinstance(x, accumulate_lib.AccumulateState)
-  grad_sum = state_lookup.accumulate_states(state)[0].grad_sum
+  grad_sum = state_lookup.accumulate_states(state, "state")[0].grad_sum
   slot = axis_name
 
   def spec_tree_for(grad_sum):

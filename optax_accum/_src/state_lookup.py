@@ -36,8 +36,12 @@ def _unwrap_variables(state: accumulate_lib.AccumulateState) -> Any:
   )
 
 
-def accumulate_states(tree: Any) -> list[accumulate_lib.AccumulateState]:
+def accumulate_states(
+    tree: Any, name: str = "tree"
+) -> list[accumulate_lib.AccumulateState]:
   """Every :class:`AccumulateState` inside ``tree``, in depth-first order.
+
+  ``name`` is the caller's argument, for the error.
 
   Raises:
     ValueError: if there is none.
@@ -50,11 +54,17 @@ def accumulate_states(tree: Any) -> list[accumulate_lib.AccumulateState]:
   ]
   if not found:
     raise ValueError(
-        "The tree must contain an AccumulateState (the state of"
-        " optax_accum.accumulate), got a tree of type"
-        f" {type(tree).__name__} with none."
+        f"{name} must contain an AccumulateState (the state of"
+        " optax_accum.accumulate or of a chain holding it), got a"
+        f" {type(tree).__name__} with none. Pass the state that tx.update"
+        " returned."
     )
   return found
+
+
+def first_state(tree: Any, name: str) -> accumulate_lib.AccumulateState:
+  """The first :class:`AccumulateState` in ``tree`` (argument ``name``)."""
+  return _unwrap_variables(accumulate_states(tree, name)[0])
 
 
 def find_accumulate_state(tree: Any) -> accumulate_lib.AccumulateState:
@@ -84,7 +94,7 @@ def find_accumulate_state(tree: Any) -> accumulate_lib.AccumulateState:
     >>> oa.find_accumulate_state(state).micro_step
     Array(0, dtype=int32)
   """
-  return _unwrap_variables(accumulate_states(tree)[0])
+  return first_state(tree, "tree")
 
 
 def has_updated(state: Any) -> jax.Array:
@@ -108,7 +118,7 @@ def has_updated(state: Any) -> jax.Array:
     >>> oa.has_updated(state)
     Array(False, dtype=bool)
   """
-  return find_accumulate_state(state).emitted
+  return first_state(state, "state").emitted
 
 
 def grad_stats(state: Any) -> noise_scale.GradStats:
@@ -138,7 +148,7 @@ def grad_stats(state: Any) -> noise_scale.GradStats:
     >>> stats.trace_cov, stats.grad_sq_norm  # (20 + 4 - 16) / 1, 4 - 8/4
     (Array(8., dtype=float32), Array(2., dtype=float32))
   """
-  found = find_accumulate_state(state)
+  found = first_state(state, "state")
   if found.stats is None:
     raise ValueError(
         "state holds no gradient statistics: build the transformation with"
