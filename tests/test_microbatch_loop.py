@@ -107,6 +107,37 @@ def test_a_non_integer_n_is_named(n):
           num_real_microbatches=n)
 
 
+def test_a_misspelt_n_is_named_not_passed_to_the_loss():
+  def loss(params, batch, **kwargs):  # would swallow the typo.
+    del kwargs
+    return helpers.safe_mean(helpers.linear_token_losses(params, batch), batch)
+
+  fn = oa.value_and_grad(loss, num_microbatches=K,
+                         num_tokens_fn=helpers.num_tokens)
+  with pytest.raises(TypeError, match="did you mean 'num_real_microbatches'"):
+    fn(_params(), _batch(), num_real_microbatch=2)
+
+
+def test_a_loss_keyword_that_only_looks_like_n_is_passed_on():
+  def loss(params, batch, num_real_microbatch=0.0):
+    token_losses = helpers.linear_token_losses(params, batch)
+    return helpers.safe_mean(token_losses, batch) + num_real_microbatch
+
+  fn = oa.value_and_grad(loss, num_microbatches=K,
+                         num_tokens_fn=helpers.num_tokens)
+  value, _ = fn(_params(), _batch(), num_real_microbatch=1.0)
+  plain, _ = fn(_params(), _batch())
+  np.testing.assert_allclose(value, plain + 1.0, rtol=1e-6)
+
+
+def test_the_planner_refuses_n_and_says_where_it_goes():
+  with pytest.raises(TypeError, match=r"plan\.value_and_grad\(.*num_real"):
+    oa.plan_microbatches(
+        loss_fn, _params(), jnp.float32(0.0), _batch(), memory_budget=2**30,
+        has_aux=True, has_state=True, num_tokens_fn=helpers.num_tokens,
+        rng=jax.random.key(0), num_real_microbatches=2)
+
+
 def test_with_axis_name_each_device_runs_its_first_n():
   devices, n = 8, 2
 

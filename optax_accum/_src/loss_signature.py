@@ -109,6 +109,16 @@ def _signature(loss_fn) -> inspect.Signature | None:
     return None
 
 
+def keyword_names(loss_fn) -> frozenset[str]:
+  """The parameters ``loss_fn`` names and can take by keyword."""
+  signature = _signature(loss_fn)
+  if signature is None:
+    return frozenset()
+  return frozenset(
+      name for name, p in signature.parameters.items()
+      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
 def _binds(signature: inspect.Signature, args, kwargs) -> bool:
   try:
     signature.bind(*args, **kwargs)

@@ -418,6 +418,13 @@ def _step(loss_fn, operands, rng, loss_kwargs, encode_fn, wrap,
         " model_state, batch, *args, ...), as you call the step."
     )
   call_kwargs = dict(loss_kwargs or {})
+  if "num_real_microbatches" in {**vg_kwargs, **call_kwargs}:
+    raise TypeError(
+        "plan_microbatches plans for all num_microbatches micro-batches;"
+        " num_real_microbatches, a keyword of each call, does not change the"
+        " memory a step needs. Plan without it and pass it to"
+        " plan.value_and_grad(..., num_real_microbatches=n)."
+    )
   if "rng" in call_kwargs:
     raise TypeError("Pass the key as plan_microbatches(..., rng=key), not in"
                     " loss_kwargs.")

@@ -338,14 +338,20 @@ def check_same_on_every_device(
 
 
 def refuse_near_misses(extra_args: dict[str, Any],
-                       own: tuple[str, ...]) -> None:
-  """Raises for keyword arguments that look like a typo of one of ``own``."""
+                       own: tuple[str, ...], call: str = "update",
+                       goes_to: str = "the inner optimizer",
+                       accepted: Any = ()) -> None:
+  """Raises for keyword arguments that look like a typo of one of ``own``.
+
+  ``call`` took them and would pass them on to ``goes_to``; names in
+  ``accepted`` (those ``goes_to`` declares) are never typos.
+  """
   for key in extra_args:
     close = difflib.get_close_matches(key, own, n=1, cutoff=0.75)
-    if close:
+    if close and key not in accepted:
       raise TypeError(
-          f"Unexpected keyword argument {key!r} to update: did you mean"
-          f" {close[0]!r}? It would go on to the inner optimizer, which would"
+          f"Unexpected keyword argument {key!r} to {call}: did you mean"
+          f" {close[0]!r}? It would go on to {goes_to}, which could"
           " silently ignore it."
       )
 

@@ -278,8 +278,13 @@ def value_and_grad(
       opts.axis_name, opts.num_microbatches, opts.batch_axes,
       opts.param_specs, opts.fsdp_policy)
 
+  declared = loss_signature.keyword_names(loss_fn)
+
   @functools.wraps(loss_fn)
   def fn(params, *rest, rng=None, num_real_microbatches=None, **kwargs):
+    validation.refuse_near_misses(kwargs, ("num_real_microbatches",),
+                                  "the value_and_grad call", "loss_fn",
+                                  declared)
     model_state, batch, args = loss_signature.split_call_args(
         rest, opts.has_state)
     inputs = loss_signature.Inputs(
