@@ -65,19 +65,22 @@ def check_loss_reduction(value: Any) -> str:
   return value
 
 
-def check_accumulator_dtype(value: Any) -> jnp.dtype:
+def _floating_dtype(where: str, value: Any) -> jnp.dtype:
+  """``value`` as a floating dtype; ``where`` names it in the error."""
   try:
-    dtype = jnp.dtype(value)
+    dtype = None if value is None else jnp.dtype(value)
   except TypeError as e:
-    raise TypeError(
-        f"accumulator_dtype must be a floating dtype, got {value!r}."
-    ) from e
-  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{where} must be a floating dtype, got {value!r}.") from e
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    shown = repr(value) if dtype is None else dtype.name
     raise ValueError(
-        f"accumulator_dtype must be a floating dtype such as jnp.float32, got"
-        f" {value!r}."
+        f"{where} must be a floating dtype such as jnp.float32, got {shown}."
     )
   return dtype
+
+
+def check_accumulator_dtype(value: Any) -> jnp.dtype:
+  return _floating_dtype("accumulator_dtype", value)
 
 
 def _is_dtype_leaf(x: Any) -> bool:
@@ -102,18 +105,7 @@ def check_accumulator_dtypes(value: Any) -> Any:
         f" the parameters with floating dtypes as leaves, got {value!r}."
     )
   for path, leaf in leaves:
-    where = f"accumulator_dtype{jax.tree_util.keystr(path)}"
-    try:
-      dtype = None if leaf is None else jnp.dtype(leaf)
-    except TypeError as e:
-      raise TypeError(
-          f"{where} must be a floating dtype, got {leaf!r}."
-      ) from e
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-      raise ValueError(
-          f"{where} must be a floating dtype such as jnp.float32, got"
-          f" {leaf!r}."
-      )
+    _floating_dtype(f"accumulator_dtype{jax.tree_util.keystr(path)}", leaf)
   return jax.tree.map(jnp.dtype, value, is_leaf=_is_dtype_leaf)
 
 
@@ -384,7 +376,7 @@ def prefix_leaves(name: str, prefix: Any, tree: Any, tree_name: str,
   except (ValueError, TypeError) as e:
     raise ValueError(
         f"{name} must be a single value or a pytree prefix of {tree_name};"
-        f" {name} has structure {prefix_def} but {tree_name} has structure"
+        f" got {name} structured as {prefix_def}, {tree_name} as"
         f" {jax.tree.structure(tree)}.{_mismatch(prefix, tree, prefix_leaf)}"
     ) from e
   return [
