@@ -273,3 +273,47 @@ def test_a_fully_masked_micro_batch_adds_nothing(loss_name):
   assert np.isfinite(float(loss))
   np.testing.assert_allclose(loss, expected_loss, rtol=RTOL, atol=ATOL)
   helpers.assert_trees_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------
+# Issue 22's rules over random splits: the first n micro-batches, and "max".
+
+
+@functools.cache
+def _first_n_value_and_grad(k):
+  fn = oa.value_and_grad(_safe_mean_loss, num_microbatches=k,
+                         num_tokens_fn=_num_tokens,
+                         grad_reduction={"w1": "mean", "b1": "max",
+                                         "w2": "mean"})
+  return jax.jit(lambda params, batch, n: fn(params, batch,
+                                             num_real_microbatches=n))
+
+
+@SETTINGS
+@hypothesis.given(case=_cases(), data=st.data())
+@hypothesis.example(case=_EXAMPLES[0], data=None)
+def test_first_n_micro_batches_are_their_own_full_batch(case, data):
+  """num_real_microbatches=n: the mean and the max over the first n only.
+
+  The mean leaves are the full-batch gradient of the first n micro-batches'
+  rows; the "max" leaf is the largest raw micro-batch gradient among those
+  of the n that have tokens (zero if none has).
+  """
+  _, k, lengths, seed = case
+  n = k if data is None else data.draw(st.integers(1, k), label="n")
+  params, batch = _params(), _batch(lengths, seed)
+  first = helpers.split(batch, k)[:n]
+  rows = jax.tree.map(lambda *xs: jnp.concatenate(xs), *first)
+  expected_loss, expected = _full_value_and_grad(params, rows)
+  with jax.numpy_dtype_promotion("strict"):
+    loss, grads = _first_n_value_and_grad(k)(params, batch, jnp.int32(n))
+  np.testing.assert_allclose(loss, expected_loss, rtol=RTOL, atol=ATOL)
+  for name in ("w1", "w2"):
+    np.testing.assert_allclose(grads[name], expected[name], rtol=RTOL,
+                               atol=ATOL)
+  kept = [_full_value_and_grad(params, mb)[1]["b1"]
+          for mb, tokens in zip(first, _tokens_per_micro_batch(lengths, k))
+          if tokens]
+  expected_max = (np.max(np.stack(kept), axis=0) if kept
+                  else np.zeros_like(params["b1"]))
+  np.testing.assert_allclose(grads["b1"], expected_max, rtol=RTOL, atol=ATOL)
