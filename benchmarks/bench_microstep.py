@@ -119,7 +119,9 @@ def measure(runner, n):
 
 DEFAULTS, KEPT = "glibc malloc defaults", "freed memory kept"
 # glibc's own switches: never map a block fresh (mmap_max=0), never give
-# freed memory back (a trim threshold of 16 GiB).
+# freed memory back (a trim threshold of 16 GiB), and keep one arena, so that
+# a block freed by one thread is reused by the next call's (arena_max=1: with
+# more, stray page faults remained).
 KEEP_FREED = ("glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
               "glibc.malloc.trim_threshold=17179869184")
 ALLOCATORS = {DEFAULTS: {}, KEPT: {"GLIBC_TUNABLES": KEEP_FREED}}
