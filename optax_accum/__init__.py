@@ -15,6 +15,10 @@ from optax_accum._src.partition_specs import (
 )
 from optax_accum._src.planner import Plan as Plan
 from optax_accum._src.planner import plan_microbatches as plan_microbatches
+from optax_accum._src.reduced_fallbacks import Report as ShardingReport
+from optax_accum._src.reduced_fallbacks import (
+    sharding_report as sharding_report,
+)
 from optax_accum._src.state_lookup import (
     find_accumulate_state as find_accumulate_state,
 )
@@ -29,6 +33,7 @@ __all__ = (
     "CollectiveCounts",
     "GradStats",
     "Plan",
+    "ShardingReport",
     "accumulate",
     "apply_if_updated",
     "count_collectives",
@@ -38,6 +43,7 @@ __all__ = (
     "grad_stats",
     "has_updated",
     "plan_microbatches",
+    "sharding_report",
     "state_partition_specs",
     "value_and_grad",
 )

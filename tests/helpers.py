@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from optax_accum._src import sharding
+
 ROOT = pathlib.Path(__file__).parents[1]
 
 
@@ -72,9 +74,23 @@ def mlp_params(dim: int, hidden: int, seed: int):
   }
 
 
+def add_bias(x, bias):
+  """``x + bias``, written so that JAX can type ``bias`` reduced.
+
+  Under jit with Explicit data axes, JAX refuses ``x + bias`` with ``bias``
+  reduced and ``x`` sharded over the same axes; broadcasting ``bias`` to
+  ``x``'s sharding first is accepted (docs/distributed.md).
+  """
+  spec = sharding.explicit_spec(x)
+  if spec is None:
+    return x + bias
+  return x + jax.lax.broadcast_in_dim(
+      bias, x.shape, (x.ndim - 1,), out_sharding=spec)
+
+
 def mlp_token_losses(params, batch):
   """Squared error of a one-hidden-layer tanh network, per token, masked."""
-  hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+  hidden = jnp.tanh(add_bias(batch["x"] @ params["w1"], params["b1"]))
   return batch["mask"] * (hidden @ params["w2"] - batch["y"]) ** 2
 
 
@@ -324,3 +340,19 @@ def loop_collectives_by_axes(compiled, mesh_shape, axis_names) -> dict:
         counts[op.group(1), _spanned_axes(group, mesh_shape,
                                           axis_names)] += 1
   return dict(counts)
+
+
+def reduction_bytes(compiled, mesh, data_axes, min_bytes=64):
+  """Bytes of the gradient-sized reductions over ``data_axes``, by place.
+
+  Counts all-reduces and reduce-scatters whose device groups span some of
+  ``data_axes`` and whose result has at least ``min_bytes`` (scalars, such
+  as a loss or a token count, are left out): ``{"loop": ..., "out": ...}``.
+  """
+  from optax_accum._src import hlo  # noqa: PLC0415: tests only.
+  out = {"loop": 0, "out": 0}
+  for c in hlo.collectives(compiled, mesh):
+    if (c.collective in ("all-reduce", "reduce-scatter")
+        and set(c.axes) & set(data_axes) and c.nbytes >= min_bytes):
+      out["loop" if c.looped else "out"] += c.nbytes
+  return out

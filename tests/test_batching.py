@@ -23,26 +23,37 @@ def test_an_unsharded_batch_splits_into_contiguous_blocks():
   np.testing.assert_array_equal(_rows(split, 1), [4.0, 6.0])  # rows 2, 3
 
 
-def test_a_sharded_batch_splits_strided_without_resharding():
+def test_a_sharded_batch_splits_by_device_blocks_without_resharding():
   mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,),
                        devices=jax.devices()[:2])
   with jax.set_mesh(mesh):
     batch = {"x": jax.device_put(jnp.arange(16.0).reshape(8, 2), P("data"))}
-    split = batching.split(batch, 0, K)
-    assert split.strided
-    # Micro-batch 1 holds rows 1 and 5: one from each device's shard.
-    np.testing.assert_array_equal(_rows(split, 1), [2.0, 10.0])
+    split = batching.split(batch, 0, 2)
+    assert split.blocks == 2 and not split.strided
+    # Micro-batch 1 holds rows 2, 3 of device 0's shard and 6, 7 of device
+    # 1's: the second block of each, as on one device and under shard_map.
+    np.testing.assert_array_equal(_rows(split, 1), [4.0, 6.0, 12.0, 14.0])
     assert jax.typeof(batching.take(split, 1)["x"]).sharding.spec[0] == (
         "data")
 
 
-@pytest.mark.parametrize("strided", [False, True])
-def test_merge_rows_undoes_the_split_of_rows(strided):
+def test_an_auto_mesh_without_axis_name_splits_strided():
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  with jax.set_mesh(mesh):
+    split = batching.split({"x": jnp.arange(16.0).reshape(8, 2)}, 0, K)
+    assert split.strided and split.blocks == 1
+    np.testing.assert_array_equal(_rows(split, 1), [2.0, 10.0])  # rows 1, 5
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "blocks"])
+def test_merge_rows_undoes_the_split_of_rows(layout):
   x = jnp.arange(24.0).reshape(12, 2)
-  per_microbatch = batching.split_rows(x, 3, strided)
+  split = batching.Split([x.reshape(3, 4, 2)], [0], None,
+                         layout == "strided", 4, 2 if layout == "blocks" else 1)
+  per_microbatch = batching.split_rows(x, split)
   assert per_microbatch.shape == (3, 4, 2)
-  np.testing.assert_array_equal(batching.merge_rows(per_microbatch, strided),
-                                x)
+  np.testing.assert_array_equal(batching.merge_rows(per_microbatch, split), x)
 
 
 def test_split_rows_matches_what_take_gives():
@@ -50,9 +61,9 @@ def test_split_rows_matches_what_take_gives():
                        devices=jax.devices()[:2])
   with jax.set_mesh(mesh):
     x = jax.device_put(jnp.arange(16.0).reshape(8, 2), P("data"))
-    split = batching.split({"x": x}, 0, K)
-    rows = batching.split_rows(x, K, split.strided)
-    for i in range(K):
+    split = batching.split({"x": x}, 0, 2)
+    rows = batching.split_rows(x, split)
+    for i in range(2):
       np.testing.assert_array_equal(rows[i], batching.take(split, i)["x"])
 
 

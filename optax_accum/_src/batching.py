@@ -6,13 +6,17 @@ None). The split is a reshape that exposes a micro-batch axis, indexed inside
 the loop: no copy of the batch is made. Two layouts:
 
 * contiguous (the default): micro-batch ``i`` holds rows
-  ``[i * B // k, (i + 1) * B // k)``;
-* strided, for a batch sharded along its split axis (an Explicit sharding in
-  its type, or an Auto mesh axis set by :func:`jax.set_mesh` when the loop
+  ``[i * b // k, (i + 1) * b // k)`` of each device's shard ``b`` of the
+  batch: on one device (and on each device of a manual data axis) rows
+  ``[i * B // k, (i + 1) * B // k)``; for a batch whose type shards it over
+  ``D`` devices (Explicit axes), the leaf is viewed as ``(D, k, b // k)``
+  blocks, and micro-batch ``i`` is the ``i``-th block of every device's
+  shard, still sharded over them: no data moves;
+* strided, for a batch that XLA may shard along its split axis without
+  saying how (an Auto mesh axis set by :func:`jax.set_mesh` when the loop
   runs without ``axis_name``): micro-batch ``i`` holds rows ``i, i + k,
-  i + 2k, ...``. Every device then keeps its own rows, and each micro-batch
-  takes ``1/k`` of every device's shard: no resharding of the batch. Token
-  weighting makes the result the full batch's whatever rows go together.
+  i + 2k, ...``, so that XLA has no reason to reshard it. Token weighting
+  makes the result the full batch's whatever rows go together.
 """
 
 import math
@@ -109,6 +113,7 @@ class Split(NamedTuple):
   treedef: Any  # the batch's structure.
   strided: bool  # micro-batch i holds rows i, i + k, ...: not contiguous.
   rows: int  # rows per micro-batch.
+  blocks: int = 1  # D: contiguous within each of D devices' shards.
 
 
 def leaf_axes(batch: Any, batch_axes: Any) -> list[int | None]:
@@ -186,15 +191,37 @@ def _auto_axes_may_shard() -> bool:
   )
 
 
-def _reshape(leaf, axis, shape, strided):
+def _split_entries(spec: Any, axis: int, ndim: int, strided: bool,
+                   blocked: bool) -> list[Any]:
+  """The spec entries of a leaf whose ``axis`` is split (see :func:`split`)."""
+  entries = list(spec) + [None] * (ndim - len(spec))
+  if blocked:
+    rows = (entries[axis], None, None)
+  else:
+    rows = (entries[axis], None) if strided else (None, entries[axis])
+  return entries[:axis] + list(rows) + entries[axis + 1 :]
+
+
+def _reshape(leaf, axis, shape, strided, blocked=False):
   """Reshapes ``leaf``, keeping its Explicit sharding on the rows' axis."""
   spec = sharding.explicit_spec(leaf)
   if spec is None:
     return jnp.reshape(leaf, shape)
-  entries = list(spec) + [None] * (jnp.ndim(leaf) - len(spec))
-  rows = (entries[axis], None) if strided else (None, entries[axis])
-  out = P(*entries[:axis], *rows, *entries[axis + 1 :])
-  return jnp.reshape(leaf, shape, out_sharding=out)
+  out = _split_entries(spec, axis, jnp.ndim(leaf), strided, blocked)
+  return jnp.reshape(leaf, shape, out_sharding=P(*out))
+
+
+def _merged(x: Any, axis: int) -> Any:
+  """``x`` with dimensions ``axis`` and ``axis + 1`` merged into one,
+  sharded as dimension ``axis`` was."""
+  shape = jnp.shape(x)
+  merged = shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2 :]
+  spec = sharding.explicit_spec(x)
+  if spec is None:
+    return jnp.reshape(x, merged)
+  entries = list(spec) + [None] * (jnp.ndim(x) - len(spec))
+  out = entries[: axis + 1] + entries[axis + 2 :]
+  return jnp.reshape(x, merged, out_sharding=P(*out))
 
 
 def split(
@@ -220,9 +247,10 @@ def split(
   leaves, treedef = jax.tree.flatten(batch)
   shards = math.lcm(
       *(_shards(x, a) for x, a in zip(leaves, axes) if a is not None))
-  strided = shards > 1 or (sharded_layout_for_auto and _auto_axes_may_shard())
+  blocked = shards > 1
+  strided = not blocked and sharded_layout_for_auto and _auto_axes_may_shard()
   k, rows = num_microbatches, size // num_microbatches
-  if strided and rows % shards:
+  if blocked and rows % shards:
     raise ValueError(
         f"The batch, sharded over {shards} devices along its batch axis,"
         f" splits into num_microbatches={k} micro-batches of {rows} rows each,"
@@ -236,36 +264,81 @@ def split(
       index_axes.append(None)
       continue
     shape = jnp.shape(leaf)
-    split_shape = (rows, k) if strided else (k, rows)
+    if blocked:
+      split_shape = (shards, k, rows // shards)
+    else:
+      split_shape = (rows, k) if strided else (k, rows)
     out.append(_reshape(leaf, axis, shape[:axis] + split_shape
-                        + shape[axis + 1 :], strided))
-    index_axes.append(axis + 1 if strided else axis)
-  return Split(out, index_axes, treedef, strided, rows)
+                        + shape[axis + 1 :], strided, blocked))
+    index_axes.append(axis + 1 if strided or blocked else axis)
+  return Split(out, index_axes, treedef, strided, rows,
+               shards if blocked else 1)
 
 
-def merge_rows(stacked: Any, strided: bool) -> Any:
+def merge_rows(stacked: Any, batch_split: Split) -> Any:
   """Per-micro-batch rows ``(k, rows, ...)`` back in the batch's row order."""
-  if strided:
+  if batch_split.blocks > 1:
+    d = batch_split.blocks
+    k, rows = jnp.shape(stacked)[:2]
+    rest = jnp.shape(stacked)[2:]
+    spec = sharding.explicit_spec(stacked)
+    entries = (list(spec) + [None] * (jnp.ndim(stacked) - len(spec))
+               if spec is not None else None)
+
+    def reshape(x, shape, *lead):
+      if entries is None:
+        return jnp.reshape(x, shape)
+      return jnp.reshape(x, shape, out_sharding=P(*lead, *entries[2:]))
+
+    blocks = reshape(stacked, (k, d, rows // d) + rest,
+                     None, None if entries is None else entries[1], None)
+    blocks = jnp.swapaxes(blocks, 0, 1)
+    return reshape(blocks, (-1,) + rest,
+                   None if entries is None else entries[1])
+  if batch_split.strided:
     stacked = jnp.swapaxes(stacked, 0, 1)
   return jnp.reshape(stacked, (-1,) + jnp.shape(stacked)[2:])
 
 
-def split_rows(x: Any, num_microbatches: int, strided: bool) -> Any:
+def split_rows(x: Any, batch_split: Split) -> Any:
   """The batch's rows ``(B, ...)`` as per-micro-batch rows ``(k, rows, ...)``.
 
   The inverse of :func:`merge_rows`.
   """
-  k, rest = num_microbatches, jnp.shape(x)[1:]
-  if strided:
+  k, rest = len_microbatches(batch_split), jnp.shape(x)[1:]
+  if batch_split.blocks > 1:
+    d = batch_split.blocks
+    spec = sharding.explicit_spec(x)
+    entry = None if spec is None or not len(spec) else spec[0]
+    tail = [] if spec is None else list(spec[1:]) + [None] * (
+        len(rest) - len(spec[1:]))
+
+    def reshape(y, shape, *lead):
+      if spec is None:
+        return jnp.reshape(y, shape)
+      return jnp.reshape(y, shape, out_sharding=P(*lead, *tail))
+
+    blocks = reshape(x, (d, k, -1) + rest, entry, None, None)
+    return reshape(jnp.swapaxes(blocks, 0, 1), (k, -1) + rest, None, entry)
+  if batch_split.strided:
     return jnp.swapaxes(jnp.reshape(x, (-1, k) + rest), 0, 1)
   return jnp.reshape(x, (k, -1) + rest)
 
 
+def len_microbatches(batch_split: Split) -> int:
+  """The number ``k`` of micro-batches of a :class:`Split`."""
+  leaf, axis = next((x, a) for x, a in zip(batch_split.leaves,
+                                           batch_split.axes) if a is not None)
+  return jnp.shape(leaf)[axis]
+
+
 def take(batch_split: Split, index: Any) -> Any:
   """Micro-batch ``index`` of a :class:`Split` (a traced index is fine)."""
-  leaves = [
-      leaf if axis is None
-      else lax.dynamic_index_in_dim(leaf, index, axis, keepdims=False)
-      for leaf, axis in zip(batch_split.leaves, batch_split.axes)
-  ]
+  leaves = []
+  for leaf, axis in zip(batch_split.leaves, batch_split.axes):
+    if axis is not None:
+      leaf = lax.dynamic_index_in_dim(leaf, index, axis, keepdims=False)
+      if batch_split.blocks > 1:
+        leaf = _merged(leaf, axis - 1)
+    leaves.append(leaf)
   return batch_split.treedef.unflatten(leaves)

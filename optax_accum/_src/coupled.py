@@ -29,6 +29,7 @@ from optax_accum._src import microbatch_rng
 from optax_accum._src import runner
 from optax_accum._src import sharding
 from optax_accum._src import stages
+from optax_accum._src import typed_layout
 from optax_accum._src import validation
 
 
@@ -91,7 +92,8 @@ def _local(c: _Coupled, params, inputs, lay) -> stages.Partials:
   representation cotangent) is divided by the number of devices; the
   reduce-scatter sums the cotangents of each device's rows.
   """
-  axis_name = None if lay is None else lay.axis_name
+  # Under a typed layout the loop sees global values: nothing to gather.
+  axis_name = lay.axis_name if isinstance(lay, fsdp.Layout) else None
   k = c.num_microbatches
   batch_split = batching.split(inputs.batch, c.batch_axes, k,
                                sharded_layout_for_auto=lay is None)
@@ -99,16 +101,26 @@ def _local(c: _Coupled, params, inputs, lay) -> stages.Partials:
   reps = coupled_passes.encode_all(
       c.encode_fn, params, batch_split, keys, inputs.args)
   devices = 1
+  batch, loss_params, sharded_like = inputs.batch, params, None
   if axis_name is not None:
     devices = _axis_size(axis_name)
     leaves, treedef = jax.tree.flatten(reps)
     reps = treedef.unflatten(_over_rows(
         lambda x: lax.all_gather(x, axis_name, axis=0, tiled=True), leaves
     ))
+  elif isinstance(lay, typed_layout.Layout):
+    # The loss sees the whole batch's representations on every device, as
+    # under shard_map; its direct gradient is the replicated parameters'.
+    sharded_like = coupled_passes.floating_leaves(reps)
+    reps, batch = typed_layout.gathered(lay, (reps, batch))
+    loss_params = typed_layout.replicated(lay, params)
   out = coupled_passes.loss_on_reps(
-      c.loss_fn, c.has_aux, params, reps, inputs.batch, inputs.args
+      c.loss_fn, c.has_aux, loss_params, reps, batch, inputs.args
   )
   cotangents = out.cotangents
+  if sharded_like is not None:
+    cotangents = [jax.sharding.reshard(t, typed_layout.full_spec(r))
+                  for t, r in zip(cotangents, sharded_like)]
   if axis_name is not None:
     cotangents = _over_rows(
         lambda x: lax.psum_scatter(
@@ -116,17 +128,22 @@ def _local(c: _Coupled, params, inputs, lay) -> stages.Partials:
         ),
         cotangents,
     )
-  cotangents = [batching.split_rows(t / devices, k, batch_split.strided)
-                for t in cotangents]
-  init = jax.tree.map(
-      lambda g: (g / devices).astype(c.accumulator_dtype), out.direct
-  )
+  if devices > 1:
+    cotangents = [t / devices for t in cotangents]
+    direct = jax.tree.map(lambda g: g / devices, out.direct)
+  else:
+    direct = out.direct
+  cotangents = [batching.split_rows(t, batch_split) for t in cotangents]
+  init = jax.tree.map(lambda g: g.astype(c.accumulator_dtype), direct)
   if axis_name is not None:
     init = axes.device_local(init, axis_name)
+  elif isinstance(lay, typed_layout.Layout):
+    init = typed_layout.as_sums(lay, init)
   grad_sum = coupled_passes.pull_back(
       c.encode_fn, params, batch_split, keys, cotangents, init, inputs.args
   )
-  return stages.Partials(grads=grad_sum, sums=out.loss / devices,
+  loss = out.loss / devices if devices > 1 else out.loss
+  return stages.Partials(grads=grad_sum, sums=loss,
                          maxima=[], minima=[], means=None, rest=out.aux)
 
 

@@ -76,7 +76,7 @@ def encode_all(encode_fn, params, batch_split: batching.Split, keys, args):
 
   _, reps = lax.scan(step, None, (_indices(batch_split), keys))
   return jax.tree.map(
-      lambda r: batching.merge_rows(r, batch_split.strided), reps)
+      lambda r: batching.merge_rows(r, batch_split), reps)
 
 
 def loss_on_reps(loss_fn, has_aux, params, reps, batch, args) -> LossOnReps:

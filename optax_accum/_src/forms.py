@@ -11,8 +11,13 @@ forms:
 * ``MANUAL``: ``axis_name`` names manual axes here (inside
   :func:`jax.shard_map` or :func:`jax.pmap`): the batch is this device's
   shard.
-* ``MESH``: ``axis_name`` names axes of a mesh under :func:`jax.jit`: the
-  mesh set by :func:`jax.set_mesh`, or, without it, the mesh that the
+* ``TYPED``: under :func:`jax.jit`, data axes of Explicit type: those the
+  batch is sharded over (read off its type), or ``axis_name``'s. Nothing is
+  made manual around ``loss_fn``: the parameters are typed ``reduced`` over
+  the data axes and the loop sums ``unreduced`` gradients
+  (:mod:`typed_form`).
+* ``MESH``: ``axis_name`` names Auto axes of a mesh under :func:`jax.jit`:
+  the mesh set by :func:`jax.set_mesh`, or, without it, the mesh that the
   inputs' types carry. The runner makes those axes manual for the length of
   the call.
 
@@ -29,11 +34,14 @@ import math
 from typing import Any, NamedTuple
 
 import jax
+from jax.sharding import AxisType
 
 from optax_accum._src import axes
+from optax_accum._src import sharding
 
 SINGLE = "single"
 MANUAL = "manual"
+TYPED = "typed"
 MESH = "mesh"
 
 
@@ -91,12 +99,56 @@ def _sizes(mesh: Any) -> dict[str, int]:
   return dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 
-def detect(axis_name: axes.AxisName | None, *trees: Any) -> Form:
-  """The :class:`Form` of a call with ``axis_name`` on inputs ``trees``."""
+def batch_data_axes(batch: Any, leaf_axes: list[int | None]) -> tuple[str, ...]:
+  """The Explicit mesh axes (size > 1, not manual) that shard the batch.
+
+  Read off the type of each leaf's split axis; the leaves must agree.
+  """
+  found = {}
+  leaves = jax.tree_util.tree_leaves_with_path(batch)
+  for (path, leaf), axis in zip(leaves, leaf_axes):
+    if axis is None:
+      continue
+    spec = sharding.explicit_spec(leaf)
+    entry = None if spec is None or axis >= len(spec) else spec[axis]
+    mesh = jax.typeof(leaf).sharding.mesh if spec is not None else None
+    names = () if entry is None else tuple(
+        n for n in axes.axes_of(entry)
+        if dict(mesh.shape)[n] > 1 and n not in set(
+            getattr(mesh, "manual_axes", ()) or ()))
+    found[jax.tree_util.keystr(path)] = names
+  kinds = set(found.values())
+  if len(kinds) > 1:
+    raise ValueError(
+        "The batch's leaves are sharded over different mesh axes along their"
+        f" batch axes: {found}. Shard every split leaf over the same data"
+        " axes (e.g. jax.device_put(batch, P('data')))."
+    )
+  return next(iter(kinds), ())
+
+
+def _explicit(mesh: Any, names: tuple[str, ...]) -> bool:
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  return all(types.get(n) == AxisType.Explicit for n in names)
+
+
+def _name(names: tuple[str, ...]) -> axes.AxisName:
+  return names[0] if len(names) == 1 else names
+
+
+def detect(axis_name: axes.AxisName | None, params: Any, batch: Any,
+           leaf_axes: list[int | None]) -> Form:
+  """The :class:`Form` of a call with ``axis_name`` on these inputs.
+
+  ``leaf_axes`` are the batch leaves' split axes (:func:`batching.leaf_axes`).
+  """
   if axis_name is not None and axes.is_bound(axis_name):
     return Form(MANUAL, axis_name, None)
-  mesh, enter = current_mesh(*trees)
+  mesh, enter = current_mesh(params, batch)
+  typed = batch_data_axes(batch, leaf_axes)
   if axis_name is None:
+    if typed:
+      return Form(TYPED, _name(typed), enter)
     return Form(SINGLE, None, enter)
   sizes = {} if mesh is None else _sizes(mesh)
   manual = set(getattr(mesh, "manual_axes", ()) or ())
@@ -111,9 +163,20 @@ def detect(axis_name: axes.AxisName | None, *trees: Any) -> Form:
         " (NamedShardings of a mesh with Explicit axes)."
     )
   active = tuple(a for a in axes.axes_of(axis_name) if sizes[a] > 1)
+  if typed and set(typed) != set(active):
+    raise ValueError(
+        f"axis_name={axis_name!r} does not name the mesh axes that the"
+        f" batch is sharded over along its batch axis, {list(typed)} (read"
+        " off its type): the loop would reshard the batch on every call."
+        f" Pass axis_name={_name(typed)!r}, or leave axis_name out (under"
+        " jax.jit with Explicit axes the data axes are read off the"
+        " batch)."
+    )
   if not active:
     return Form(SINGLE, None, enter)
-  return Form(MESH, active[0] if len(active) == 1 else active, enter)
+  if _explicit(mesh, active):
+    return Form(TYPED, _name(active), enter)
+  return Form(MESH, _name(active), enter)
 
 
 def entered(form: Form) -> contextlib.AbstractContextManager:

@@ -94,8 +94,15 @@ def restart(total: Any, rules: list[str] | None, start: jax.Array) -> Any:
 
 
 def start(total: Any, rules: list[str] | None) -> Any:
-  """``total`` (zeros) with the "max" leaves at ``-inf``."""
-  return restart(total, rules, jnp.bool_(True))
+  """``total`` (zeros) with the "max" leaves at ``-inf``.
+
+  The other leaves are returned as they are (they may be typed unreduced,
+  on which JAX has no ``where``).
+  """
+  if rules is None:
+    return total
+  return _map(lambda r, s: jnp.where(True, _identity(r, s.dtype), s)
+              if r == MAX else s, rules, total)
 
 
 def add(total: Any, grads: Any, c: token_weighting.Contribution,

@@ -257,7 +257,7 @@ def _operation(line: str) -> tuple[str, str] | None:
   return (opcode.group(1), rest) if opcode else None
 
 
-def _parse(text: str) -> tuple[str, dict[str, list[tuple[str, str]]]]:
+def _parse(text: str) -> tuple[str, dict[str, list[tuple[str, str, str]]]]:
   """The entry computation's name and every computation's instructions."""
   computations = {}
   entry = None
@@ -276,7 +276,7 @@ def _parse(text: str) -> tuple[str, dict[str, list[tuple[str, str]]]]:
     if current is not None:
       operation = _operation(line)
       if operation is not None:
-        computations[current].append(operation)
+        computations[current].append(operation + (line,))
   if entry is None:
     if "stablehlo." in text or "func.func" in text:
       raise ValueError(
@@ -366,22 +366,64 @@ def count_collectives(
     ('data',) {} {'all-reduce': 1}
     ('model',) {'all-reduce': 1} {}
   """
-  entry, computations = _parse(_hlo_text(program))
   positions = None if mesh is None else _logical_to_mesh_position(
       program, mesh)
   tally = _Tally()
   tally_by_axes = collections.defaultdict(_Tally)
+  for found in _collectives(program, positions, mesh):
+    tally.add(found.collective, found.looped, found.branched)
+    if positions is not None:
+      tally_by_axes[found.axes].add(found.collective, found.looped,
+                                    found.branched)
+  if mesh is None:
+    return tally.counts()
+  order = {name: i for i, name in enumerate(mesh.axis_names)}
+  keys = sorted(tally_by_axes, key=lambda k: (len(k), [order[n] for n in k]))
+  return tally.counts({axes: tally_by_axes[axes].counts() for axes in keys})
+
+
+class Collective(NamedTuple):
+  """One collective instruction of a compiled program, and where it runs."""
+
+  collective: str  # "all-reduce", "reduce-scatter", ...
+  looped: bool  # inside a while loop.
+  branched: bool  # inside a branch of a conditional.
+  axes: tuple[str, ...] | None  # the mesh axes it spans (None: no mesh).
+  nbytes: int  # the bytes of its result (all of a tuple's parts).
+
+
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64"
+                    r"|c64|c128|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+             "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+             "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+
+def _result_bytes(line: str) -> int:
+  """The bytes of an instruction's result, read off its shape in ``line``."""
+  head = _INSTRUCTION.match(line).group(1)
+  opcode_at = head.find(_operation(line)[0] + "(")
+  return sum(
+      _ITEMSIZE[dtype] * math.prod(_ints(dims) or [1])
+      for dtype, dims in _SHAPE.findall(head[:opcode_at]))
+
+
+def _collectives(program: Any, positions: Any = None,
+                 mesh: Any = None) -> list[Collective]:
+  """Every collective of ``program``, walking loops and branches."""
+  entry, computations = _parse(_hlo_text(program))
+  found = []
 
   def visit(name, looped, branched, path):
     if name in path:  # not expected in HLO; guards against a malformed text.
       return
-    for opcode, rest in computations.get(name, ()):
+    for opcode, rest, line in computations.get(name, ()):
       collective = _OPCODE_TO_COLLECTIVE.get(opcode)
       if collective is not None:
-        tally.add(collective, looped, branched)
-        if positions is not None:
-          axes = _collective_axes(rest, positions, mesh)
-          tally_by_axes[axes].add(collective, looped, branched)
+        axes = None if positions is None else _collective_axes(
+            rest, positions, mesh)
+        found.append(Collective(collective, looped, branched, axes,
+                                _result_bytes(line)))
       if opcode in _ASYNC_CONTINUATIONS:  # the same computation as its start.
         continue
       for attribute, called in _CALLED.findall(rest):
@@ -396,11 +438,14 @@ def count_collectives(
             )
 
   visit(entry, False, False, frozenset())
-  if mesh is None:
-    return tally.counts()
-  order = {name: i for i, name in enumerate(mesh.axis_names)}
-  keys = sorted(tally_by_axes, key=lambda k: (len(k), [order[n] for n in k]))
-  return tally.counts({axes: tally_by_axes[axes].counts() for axes in keys})
+  return found
+
+
+def collectives(program: Any, mesh: Any = None) -> list[Collective]:
+  """Every collective of a compiled ``program``, with its bytes and axes."""
+  positions = None if mesh is None else _logical_to_mesh_position(
+      program, mesh)
+  return _collectives(program, positions, mesh)
 
 
 def _collective_axes(

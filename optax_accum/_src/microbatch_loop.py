@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import aux_reduction as aux_reduction_lib
 from optax_accum._src import axes
@@ -24,8 +25,10 @@ from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import loss_signature
 from optax_accum._src import microbatch_rng
 from optax_accum._src import noise_scale
+from optax_accum._src import sharding
 from optax_accum._src import stages
 from optax_accum._src import token_weighting
+from optax_accum._src import typed_layout
 from optax_accum._src import validation
 
 
@@ -81,9 +84,22 @@ def _token_count(num_tokens_fn, microbatch):
   )
 
 
-def _axis_of(lay: fsdp.Layout | None) -> axes.AxisName | None:
-  """The data axes this device's loop runs over (None on one device)."""
-  return None if lay is None else lay.axis_name
+Layout = fsdp.Layout | typed_layout.Layout
+
+
+def _ops(lay: Layout):
+  """The module that holds and sums under ``lay`` (the two share names)."""
+  return typed_layout if isinstance(lay, typed_layout.Layout) else fsdp
+
+
+def _is_manual(lay: Layout | None) -> bool:
+  """Whether the loop runs on one device's shard of a manual data axis."""
+  return isinstance(lay, fsdp.Layout)
+
+
+def _axis_of(lay: Layout | None) -> axes.AxisName | None:
+  """The manual data axes this device's loop runs over (None: global)."""
+  return lay.axis_name if _is_manual(lay) else None
 
 
 def _rng_for(inputs, index, lay):
@@ -108,21 +124,21 @@ def _aux_plan(loss, opts, params_for, inputs, batch_split,
 
 
 def _zero_sums(params, opts: Options, plan: AuxPlan | None,
-               lay: fsdp.Layout | None, rules) -> Sums:
+               lay: Layout | None, rules) -> Sums:
   dtypes = validation.per_leaf_dtypes(opts.accumulator_dtype, params)
   scalar_dtype = validation.scalar_sum_dtype(opts.accumulator_dtype)
   sums = Sums(
       # zeros_like keeps each parameter's sharding (model-parallel axes).
       grads=grad_reduction_lib.start(jax.tree.map(
           lambda p, dtype: jnp.zeros_like(p, dtype=dtype), params, dtypes
-      ) if lay is None else fsdp.zero_grads(lay, params, dtypes), rules),
+      ) if lay is None else _ops(lay).zero_grads(lay, params, dtypes), rules),
       loss=jnp.zeros([], scalar_dtype),
       tokens=jnp.zeros([], jnp.float32),
       aux=None if plan is None else aux_reduction_lib.init(
           plan.shapes, plan.reductions, scalar_dtype),
       stats=noise_scale.zero_sums() if opts.with_stats else None,
   )
-  if lay is not None:
+  if _is_manual(lay):
     # The sums are this device's partial sums: they differ by device.
     sums = axes.device_local(sums, lay.axis_name)
   return sums
@@ -164,7 +180,10 @@ def _run_microbatches(step, init, num_microbatches, num_real):
   if num_real is None:
     return lax.scan(step, init, indices)
   def zeros(shape):
-    buffer = jnp.zeros((num_microbatches,) + shape.shape, shape.dtype)
+    spec = sharding.explicit_spec(shape)
+    buffer = jnp.zeros(
+        (num_microbatches,) + shape.shape, shape.dtype,
+        out_sharding=None if spec is None else P(None, *spec))
     # Under shard_map the outputs may vary over the axis: so must the carry.
     vma = tuple(sorted(axes.varying_axes(shape)))
     return lax.pcast(buffer, vma, to="varying") if vma else buffer
@@ -182,8 +201,15 @@ def _run_microbatches(step, init, num_microbatches, num_real):
   return lax.fori_loop(0, num_real, body, (init, stacked))
 
 
+def _summed(lay: Layout | None, grads: Any) -> Any:
+  """A micro-batch's gradient as a value (typed loop: reduced, for its norm)."""
+  if isinstance(lay, typed_layout.Layout):
+    return typed_layout.summed(lay, grads)
+  return grads
+
+
 def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
-         lay: fsdp.Layout | None = None):
+         lay: Layout | None = None):
   """The scan over this device's micro-batches: ``(sums, loop_out)``.
 
   With an FSDP layout ``lay``, ``params`` are what :func:`fsdp.hold` keeps:
@@ -191,7 +217,9 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
   """
 
   def params_for(index):
-    return params if lay is None else fsdp.for_microbatch(lay, params, index)
+    if lay is None:
+      return params
+    return _ops(lay).for_microbatch(lay, params, index)
 
   batch_split = batching.split(
       inputs.batch, opts.batch_axes, opts.num_microbatches,
@@ -216,13 +244,14 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
           running, jax.tree.leaves(aux), plan.reductions, tokens)
     sums = Sums(
         grads=grad_reduction_lib.add(sums.grads, grads, c, rules)
-        if lay is None else fsdp.add_grads(lay, sums.grads, grads, c, rules),
+        if lay is None
+        else _ops(lay).add_grads(lay, sums.grads, grads, c, rules),
         loss=sums.loss + token_weighting.weighted(value, c, sums.loss.dtype),
         tokens=sums.tokens + c.tokens,
         aux=running,
         stats=None if sums.stats is None else noise_scale.add(
-            sums.stats, grad_reduction_lib.only_means(grads, rules), c,
-            opts.loss_reduction),
+            sums.stats, grad_reduction_lib.only_means(
+                _summed(lay, grads), rules), c, opts.loss_reduction),
     )
     # The per-micro-batch losses only tell their dtype: XLA drops them.
     return (sums, model_state), (value, stacked)
@@ -233,7 +262,7 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
                inputs.model_state),
         opts.num_microbatches, inputs.num_real,
     )
-  if lay is not None:
+  if _is_manual(lay):
     # The "max" leaves' pmax, once; the one sum over devices that follows
     # then leaves them as they are.
     sums = sums._replace(grads=grad_reduction_lib.max_over_devices(

@@ -6,9 +6,12 @@ form that :func:`forms.detect` finds:
 * ``SINGLE``: *local* then *finalize* on the whole batch;
 * ``MANUAL`` (inside shard_map or pmap): gather, *local*, reduce, *finalize*
   on this device's shard, by :func:`on_device`;
-* ``MESH`` (under jit, with data axes of a mesh): the same inside a
-  :func:`jax.shard_map` over the data axes, by :func:`over_mesh`; other mesh
-  axes stay with the model (tensor parallelism, Explicit or Auto).
+* ``TYPED`` (under jit, with Explicit data axes): no axis made manual; the
+  parameters typed reduced over the data axes and the gradient sums
+  unreduced, by :func:`typed_form.run`;
+* ``MESH`` (under jit, with Auto data axes of a mesh): the same as
+  ``MANUAL`` inside a :func:`jax.shard_map` over the data axes, by
+  :func:`over_mesh`; other mesh axes stay with the model.
 
 The gather and the gradient's reduction follow the parameters' layout over
 the data axes (:mod:`fsdp`): replicated parameters are summed with one
@@ -33,6 +36,7 @@ from optax_accum._src import noise_scale
 from optax_accum._src import partial_sums
 from optax_accum._src import sharding
 from optax_accum._src import stages
+from optax_accum._src import typed_form
 from optax_accum._src import unreduced_sums
 
 
@@ -44,16 +48,29 @@ class Settings(NamedTuple):
   batch_axes: Any  # an int, None, or a pytree prefix of the batch.
   param_specs: Any  # None, a PartitionSpec or a tree prefix of params.
   policy: fsdp.Policy
+  grad_reduction: Any = None  # None (all "mean") or a prefix of params.
 
 
 def run(program: stages.Program, settings: Settings, params: Any,
         inputs: loss_signature.Inputs) -> stages.Result:
   """Runs ``program`` on ``params`` and ``inputs`` in the form of the call."""
-  form = forms.detect(settings.axis_name, params, inputs.batch)
+  form = forms.detect(settings.axis_name, params, inputs.batch,
+                      batching.leaf_axes(inputs.batch, settings.batch_axes))
   with forms.entered(form):
     if form.kind == forms.SINGLE:
+      if settings.policy.gradient_sync == fsdp.DEFERRED:
+        raise ValueError(
+            "gradient_sync='deferred' leaves the gradient unreduced over the"
+            " data axes, but this call has none: the batch is not sharded"
+            " over Explicit mesh axes and axis_name is None. Shard the batch"
+            " (jax.device_put(batch, P('data')) under jax.set_mesh with"
+            " Explicit axes) or give axis_name."
+        )
       partials = program.local(params, inputs, None)
       return program.finalize(partials, params, noise_scale.sq_norm)
+    if form.kind == forms.TYPED:
+      return typed_form.run(program, settings, params, inputs,
+                            form.axis_name)
     settings = settings._replace(axis_name=form.axis_name)
     if form.kind == forms.MANUAL:
       return on_device(program, settings, params, inputs)
@@ -125,6 +142,26 @@ def _stack_over_devices(program: stages.Program, stacked: Any) -> Any:
   return jax.tree.map(expand, stacked)
 
 
+def _refuse_manual_annotation(error: ValueError,
+                              axis_name: axes.AxisName) -> None:
+  """Our error for a ``loss_fn`` that names a data axis made Manual here."""
+  text = str(error)
+  if "Manual" not in text or not any(
+      f"'{a}'" in text or f"name: {a} " in text
+      for a in axes.axes_of(axis_name)):
+    return
+  raise ValueError(
+      f"loss_fn names the data axis {axis_name!r} in a sharding annotation,"
+      " but on a mesh with Auto axes optax_accum runs the micro-batch loop"
+      " in a jax.shard_map over the data axes, where they are Manual and"
+      " loss_fn sees one device's shard. Make the mesh's axes Explicit"
+      " (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))): the loop"
+      " then runs loss_fn as jax.jit(jax.value_and_grad(loss_fn)) does,"
+      " annotations included. Or drop the annotations that name the data"
+      f" axes. (JAX said: {text.splitlines()[0][:200]})"
+  ) from error
+
+
 def over_mesh(program: stages.Program, settings: Settings, params: Any,
               inputs: loss_signature.Inputs) -> stages.Result:
   """:func:`on_device` in a shard_map over the data axes of the mesh.
@@ -155,8 +192,12 @@ def over_mesh(program: stages.Program, settings: Settings, params: Any,
   settings = settings._replace(param_specs=param_specs)
 
   def body(params, batch, replicated):
-    result = on_device(program, settings, params,
-                       replicated._replace(batch=batch))
+    try:
+      result = on_device(program, settings, params,
+                         replicated._replace(batch=batch))
+    except ValueError as e:
+      _refuse_manual_annotation(e, axis_name)
+      raise
     aux = result.aux._replace(
         stacked=_stack_over_devices(program, result.aux.stacked))
     return result._replace(aux=aux)

@@ -34,6 +34,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from optax_accum._src import unreduced_sums
+
 # The construction argument by which a user says that equal weights are meant.
 EQUAL_WEIGHTS = "equal_weights"
 
@@ -166,12 +168,20 @@ def has_tokens(token_count: jax.Array) -> jax.Array:
 def mean(total: Any, token_count: jax.Array, like: Any) -> Any:
   """The running sum divided by the count, cast leaf by leaf like ``like``.
 
-  A count of zero gives zeros (no 0/0); a NaN count gives NaN.
+  A count of zero gives zeros (no 0/0); a NaN count gives NaN. A sum typed
+  unreduced (each device's partial) is divided on each device: JAX has no
+  unreduced rule for division.
   """
   safe_count = jnp.where(token_count == 0, jnp.ones_like(token_count),
                          token_count)
-  return jax.tree.map(
-      lambda s, x: (s / safe_count.astype(s.dtype)).astype(jnp.result_type(x)),
-      total,
-      like,
-  )
+
+  def divide(s, x):
+    def local(s, count):
+      return (s / count.astype(s.dtype)).astype(jnp.result_type(x))
+
+    if not unreduced_sums.unreduced_axes(s):
+      return local(s, safe_count)
+    return unreduced_sums.run_local(
+        local, (s, safe_count), unreduced_sums.local_specs(s))
+
+  return jax.tree.map(divide, total, like)

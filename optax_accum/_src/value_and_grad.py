@@ -19,12 +19,7 @@ from optax_accum._src import validation
 
 
 def _check_deferred(opts: loop_lib.Options) -> None:
-  """``gradient_sync="deferred"`` needs an axis and leaves no norm to take."""
-  if opts.axis_name is None:
-    raise ValueError(
-        "gradient_sync='deferred' leaves the gradient unreduced over"
-        " axis_name, but axis_name is None: give the data-parallel axis."
-    )
+  """``gradient_sync="deferred"`` leaves no norm to take."""
   if opts.with_stats:
     raise ValueError(
         "with_stats=True needs the reduced gradient's norm, which"
@@ -276,7 +271,7 @@ def value_and_grad(
   program = loop_lib.program(loss, opts)
   settings = runner.Settings(
       opts.axis_name, opts.num_microbatches, opts.batch_axes,
-      opts.param_specs, opts.fsdp_policy)
+      opts.param_specs, opts.fsdp_policy, opts.grad_reduction)
 
   declared = loss_signature.keyword_names(loss_fn)
 
