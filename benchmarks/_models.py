@@ -120,6 +120,25 @@ def _rms_norm(x, scale):
   return (x32 * scale).astype(x.dtype)
 
 
+def _embed(table, ids):
+  """``table[ids]``; under Explicit axes, sharded like the ids' rows.
+
+  JAX asks where a gather's result goes when the ids are sharded (jax.jit
+  with Explicit axes): with the batch, as the model's activations.
+  """
+  spec = jax.typeof(ids).sharding.spec if _explicit(ids) else None
+  if spec is None:
+    return table[ids]
+  return table.at[ids].get(out_sharding=jax.sharding.PartitionSpec(
+      *spec, *([None] * (ids.ndim - len(spec))), None))
+
+
+def _explicit(x):
+  mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+  return bool(mesh is not None and not mesh.empty and any(
+      t == jax.sharding.AxisType.Explicit for t in mesh.axis_types))
+
+
 def llama_shapes(layers, d_model, ffn, heads, kv_heads, vocab):
   """The parameter shapes, per-layer weights stacked for a scan over layers."""
   head_dim = d_model // heads
@@ -165,7 +184,7 @@ def make_llama_loss(heads, kv_heads):
     return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
 
   def loss_fn(params, batch):
-    x = params["embed"][batch["inputs"]]
+    x = _embed(params["embed"], batch["inputs"])
     x, _ = jax.lax.scan(
         lambda x, p: (jax.checkpoint(layer)(x, p), None), x, params["layers"])
     logits = (_rms_norm(x, params["final_norm"]) @ params["unembed"]).astype(

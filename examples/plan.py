@@ -89,7 +89,11 @@ def _block(p, x):
 
 def loss_fn(params, batch):
   """Next-token cross-entropy, mean over the unmasked target tokens."""
-  x = params["embed"][batch["tokens"][:, :-1]]
+  # Written for jax.jit with Explicit axes: on the mesh the gather says
+  # where its rows go (with the batch, sharded over "data").
+  on_mesh = not jax.sharding.get_abstract_mesh().empty
+  x = params["embed"].at[batch["tokens"][:, :-1]].get(
+      out_sharding=P("data", None, None) if on_mesh else None)
   for block in params["blocks"]:
     x = _block(block, x)
   logits = _norm(x, params["norm"]) @ params["embed"].T

@@ -15,28 +15,47 @@ def _mesh(shape, names, kind=AxisType.Explicit):
   return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape))
 
 
+def _detect(axis_name, batch, params=None):
+  """The form of a call on ``batch`` (each leaf split on axis 0)."""
+  leaf_axes = [0] * len(jax.tree.leaves(batch))
+  return forms.detect(axis_name, params, batch, leaf_axes)
+
+
 def test_no_axis_on_host_inputs_is_single_with_no_mesh_to_enter():
-  assert forms.detect(None, np.ones(4)) == forms.Form(forms.SINGLE, None, None)
+  assert _detect(None, np.ones(4)) == forms.Form(forms.SINGLE, None, None)
 
 
-def test_a_set_mesh_axis_is_mesh():
+def test_an_auto_mesh_axis_is_mesh_and_an_explicit_one_typed():
+  with jax.set_mesh(_mesh((2, 4), ("data", "model"), AxisType.Auto)):
+    assert _detect("data", np.ones(8)) == forms.Form(forms.MESH, "data", None)
   with jax.set_mesh(_mesh((2, 4), ("data", "model"))):
-    form = forms.detect("data", np.ones(8))
-  assert form == forms.Form(forms.MESH, "data", None)
+    assert _detect("data", np.ones(8)) == forms.Form(forms.TYPED, "data",
+                                                     None)
+
+
+def test_a_batch_sharded_over_explicit_axes_is_typed_without_axis_name():
+  mesh = _mesh((2, 4), ("data", "model"))
+  with jax.set_mesh(mesh):
+    batch = jax.device_put(jnp.ones((8, 3)), P("data"))
+    assert _detect(None, batch) == forms.Form(forms.TYPED, "data", None)
+    with pytest.raises(ValueError, match=(
+        r"axis_name='model' does not name the mesh axes that the batch is"
+        r" sharded over along its batch axis, \['data'\]")):
+      _detect("model", batch)
 
 
 def test_size_one_axes_are_dropped_from_the_data_axes():
   with jax.set_mesh(_mesh((1, 8), ("data", "fsdp"), AxisType.Auto)):
-    assert forms.detect("data", np.ones(8)).kind == forms.SINGLE
-    assert forms.detect(("data", "fsdp"), np.ones(8)).axis_name == "fsdp"
+    assert _detect("data", np.ones(8)).kind == forms.SINGLE
+    assert _detect(("data", "fsdp"), np.ones(8)).axis_name == "fsdp"
 
 
 def test_explicit_inputs_without_set_mesh_bring_their_mesh():
   mesh = _mesh((8,), ("data",))
   x = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data")))
-  form = forms.detect("data", {"x": x})
-  assert form.kind == forms.MESH and form.enter == mesh.abstract_mesh
-  assert forms.detect(None, x).enter == mesh.abstract_mesh
+  form = _detect("data", {"x": x})
+  assert form.kind == forms.TYPED and form.enter == mesh.abstract_mesh
+  assert _detect(None, x).enter == mesh.abstract_mesh
 
 
 def test_inputs_on_two_meshes_are_refused():
@@ -45,15 +64,15 @@ def test_inputs_on_two_meshes_are_refused():
   b = jax.device_put(jnp.ones(8), NamedSharding(_mesh((8,), ("other",)),
                                                 P("other")))
   with pytest.raises(ValueError, match="two different meshes"):
-    forms.detect(None, a, b)
+    _detect(None, a, params=b)
 
 
 def test_an_axis_that_is_nowhere_is_named():
   with pytest.raises(ValueError, match=r"axis_name='data'.*jax\.set_mesh"):
-    forms.detect("data", np.ones(8))
+    _detect("data", np.ones(8))
   with jax.set_mesh(_mesh((8,), ("x",))):
     with pytest.raises(ValueError, match="no axis 'data'"):
-      forms.detect("data", np.ones(8))
+      _detect("data", np.ones(8))
 
 
 def test_a_manual_axis_is_manual():
@@ -61,7 +80,7 @@ def test_a_manual_axis_is_manual():
   seen = []
 
   def body(x):
-    seen.append(forms.detect("data", x))
+    seen.append(_detect("data", x))
     return x
 
   jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(

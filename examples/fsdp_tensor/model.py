@@ -25,10 +25,16 @@ LOGICAL_RULES = (
     ("vocab", "tensor"),
     ("head_dim", None),
 )
-# Activations inside the loss: oa.value_and_grad hands loss_fn one device's
-# slice of the batch, so only "tensor" is left to shard them; the sums over
-# heads or hidden units come back replicated over it.
-REPLICATED = P()
+# The batch axes: activations are sharded over both, as for jax.jit of the
+# full batch (oa.value_and_grad runs loss_fn on a global micro-batch, still
+# sharded over them). Sums over heads or hidden units come back replicated
+# over "tensor".
+BATCH = ("data", "fsdp")
+
+
+def activations(*rest) -> P:
+  """An activation's sharding: the batch axes first, then ``rest``."""
+  return P(BATCH, *rest)
 
 
 def _init(init, *logical_axes):
@@ -48,12 +54,11 @@ class Attention(nnx.Module):
         rngs=rngs, kernel_init=_init(kernel, "heads", "head_dim", "embed"))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    q, k, v = jnp.moveaxis(self.qkv(x), -3, 0)  # each [batch, seq, heads, d]
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
-    causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-    weights = jax.nn.softmax(jnp.where(causal, logits, -1e9), axis=-1)
-    heads = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-    return self.out(heads, out_sharding=REPLICATED)  # sums over "tensor".
+    qkv = self.qkv(x, out_sharding=activations(None, None, "tensor", None))
+    q, k, v = (qkv[:, :, i] for i in range(3))  # each [batch, seq, heads, d]
+    heads = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    # Sums over "tensor": the row-parallel projection's all-reduce.
+    return self.out(heads, out_sharding=activations(None, None))
 
 
 class Block(nnx.Module):
@@ -74,8 +79,10 @@ class Block(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x + self.dropout(self.attention(self.attention_norm(x)))
-    hidden = nnx.gelu(self.mlp_in(self.mlp_norm(x)))
-    return x + self.dropout(self.mlp_out(hidden, out_sharding=REPLICATED))
+    hidden = nnx.gelu(self.mlp_in(
+        self.mlp_norm(x), out_sharding=activations(None, "tensor")))
+    return x + self.dropout(
+        self.mlp_out(hidden, out_sharding=activations(None, None)))
 
 
 class Transformer(nnx.Module):
@@ -84,9 +91,9 @@ class Transformer(nnx.Module):
   def __init__(self, *, vocab_size: int, seq_len: int, dim: int,
                num_heads: int, mlp_dim: int, num_layers: int, dropout: float,
                rngs: nnx.Rngs):
-    self.embedding = nnx.Param(
-        jax.random.normal(rngs.params(), (vocab_size, dim)),
-        out_sharding=("vocab", "embed"))
+    self.embed = nnx.Embed(
+        vocab_size, dim, rngs=rngs, embedding_init=_init(
+            nnx.initializers.normal(1.0), "vocab", "embed"))
     self.positions = nnx.Param(
         0.02 * jax.random.normal(rngs.params(), (seq_len, dim)),
         out_sharding=(None, "embed"))
@@ -100,22 +107,21 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     # A gather from a table split over "tensor": Explicit axes ask where
-    # its result goes (nnx.Embed's out_sharding= uses jax.sharding.auto_axes,
-    # which cannot run where the data axes are manual, as in the loss).
-    x = self.embedding[...].at[tokens].get(out_sharding=REPLICATED)
+    # its result goes.
+    x = self.embed(tokens, out_sharding=activations(None, None))
     x = x + self.positions[...]
     for block in self.blocks:
       x = block(x)
-    return self.unembed(self.final_norm(x))  # logits split over "tensor".
+    # The logits whole along the vocabulary (gathered over "tensor"), so
+    # that the loss can pick each target's logit by its integer label.
+    return self.unembed(self.final_norm(x),
+                        out_sharding=activations(None, None))
 
 
 def token_loss(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
   """Mean next-byte cross-entropy over the real tokens of ``batch``."""
-  logits = model(batch["inputs"])  # split over "tensor" along the vocabulary.
-  # One-hot targets rather than integer labels: picking each target's logit
-  # would be a gather along the split axis, which Explicit axes refuse; the
-  # product and sum below need only the sum over "tensor".
-  targets = jax.nn.one_hot(batch["targets"], logits.shape[-1])
-  losses = optax.softmax_cross_entropy(logits, targets)
+  logits = model(batch["inputs"])
+  losses = optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["targets"])
   mask = batch["mask"]
   return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)

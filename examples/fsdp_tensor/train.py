@@ -2,12 +2,14 @@
 
 The model lives on a 2 x 2 x 2 mesh of Explicit axes, its parameters sharded
 by the logical rules of ``model.py``. Each step computes the token-weighted
-gradient of the whole batch with ``oa.value_and_grad(...,
-axis_name=("data", "fsdp"))``: every device runs ``k`` micro-batches of its
-share of the batch, with the parameters gathered over ``fsdp`` once before
-the loop and the gradient reduced over ``data`` and ``fsdp`` once after it,
-back to the parameters' sharding. Dropout draws a new mask per micro-batch
-from the key ``rng=`` hands it.
+gradient of the whole batch with ``oa.value_and_grad(loss_fn,
+num_microbatches=k, ...)`` under ``jax.jit``: the data axes are read off the
+batch's sharding (``P(("data", "fsdp"))``), ``loss_fn`` runs on a global
+micro-batch as the model is written for ``jax.jit``, the parameters are
+gathered over ``fsdp`` once before the loop and typed ``reduced`` over the
+data axes, and the gradient is reduced over ``data`` and ``fsdp`` once after
+the loop, back to the parameters' sharding. Dropout draws a new mask per
+micro-batch from the key ``rng=`` hands it.
 """
 
 import argparse
@@ -67,7 +69,7 @@ def make_loss(graphdef):
 def make_value_and_grad(graphdef, k: int):
   return oa.value_and_grad(
       make_loss(graphdef), num_microbatches=k,
-      num_tokens_fn=data_lib.num_tokens, axis_name=DATA_AXES)
+      num_tokens_fn=data_lib.num_tokens)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, k: int):

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import warnings
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 # How a parameter used elementwise with batch-sharded activations can be
@@ -87,10 +88,72 @@ def _nbytes(leaf: Any) -> int:
   return math.prod(jnp.shape(leaf)) * jnp.dtype(jnp.result_type(leaf)).itemsize
 
 
+class UnsafeCast(TypeError):
+  """A cast that JAX accepts at trace time and XLA aborts on at compile."""
+
+
+def _partitions(aval: Any) -> tuple[Any, ...]:
+  spec = getattr(getattr(aval, "sharding", None), "spec", None)
+  return tuple(getattr(spec, "partitions", None) or ())
+
+
+def _unreduced(aval: Any) -> frozenset[str]:
+  spec = getattr(getattr(aval, "sharding", None), "spec", None)
+  return frozenset(getattr(spec, "unreduced", None) or ())
+
+
+def _sub_jaxprs(value: Any) -> list[Any]:
+  if isinstance(value, jax.extend.core.ClosedJaxpr):
+    return [value.jaxpr]
+  if isinstance(value, jax.extend.core.Jaxpr):
+    return [value]
+  if isinstance(value, (tuple, list)):
+    return [j for v in value for j in _sub_jaxprs(v)]
+  return []
+
+
+def _scattered_dims(eqn: Any) -> tuple[int, ...]:
+  """The operand dimensions a scatter-add indexes into (its rows)."""
+  numbers = eqn.params.get("dimension_numbers")
+  return tuple(getattr(numbers, "scatter_dims_to_operand_dims", ()) or ())
+
+
+def check_casts(jaxpr: Any) -> None:
+  """Raises :class:`UnsafeCast` where XLA would abort on a cast.
+
+  Autodiff writes a reshard to an unreduced, newly sharded type where a
+  reduced parameter's cotangent comes back replicated from a scatter-add
+  (the transpose of a gather from a table sharded over a model axis along
+  its rows, read with an ``out_sharding`` that drops the batch axes). JAX
+  accepts it; Shardy aborts the process at compile time ("the result has
+  unreduced axes while the operand has incompatible sharding along
+  reduction factors").
+  """
+  producers = {}
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      producers[id(var)] = eqn
+    if eqn.primitive.name == "reshard":
+      source, target = eqn.invars[0].aval, eqn.outvars[0].aval
+      producer = producers.get(id(eqn.invars[0]))
+      if (_unreduced(target) and not _unreduced(source)
+          and producer is not None
+          and producer.primitive.name in ("scatter-add", "scatter_add")):
+        old, new = _partitions(source), _partitions(target)
+        if any(d < len(new) and new[d] is not None
+               and (d >= len(old) or old[d] != new[d])
+               for d in _scattered_dims(producer)):
+          raise UnsafeCast(
+              f"a reshard from {source} to {target} would abort XLA")
+    for value in eqn.params.values():
+      for sub in _sub_jaxprs(value):
+        check_casts(sub)
+
+
 def _trace(attempt: Callable[[frozenset[int]], Any],
            reduced: frozenset[int]) -> None:
-  """Traces ``attempt(reduced)`` without running it (its output unused)."""
-  jax.eval_shape(lambda: attempt(reduced) and None)
+  """Traces ``attempt(reduced)`` without running it; checks its casts."""
+  check_casts(jax.make_jaxpr(lambda: attempt(reduced) and None)().jaxpr)
 
 
 def _traces(attempt: Callable[[frozenset[int]], Any],
@@ -100,6 +163,12 @@ def _traces(attempt: Callable[[frozenset[int]], Any],
   except Exception:  # any refusal of the cast counts.
     return False
   return True
+
+
+def check(attempt: Callable[[frozenset[int]], Any],
+          reduced: frozenset[int]) -> None:
+  """Raises if ``attempt(reduced)`` fails to trace or would abort XLA."""
+  _trace(attempt, reduced)
 
 
 def find(attempt: Callable[[frozenset[int]], Any],

@@ -103,6 +103,7 @@ def run(program: stages.Program, settings: Any, params: Any,
 
   fallback, seconds = [], 0.0
   try:
+    reduced_fallbacks.check(attempt, frozenset(candidates))
     partials = attempt(frozenset(candidates))
   except Exception:  # find says which leaves, or re-raises.
     started = time.perf_counter()

@@ -201,7 +201,21 @@ def _as_partial(g: Any, spec: P) -> Any:
   A gradient that JAX already reduced (of a parameter the loss does not
   use) is cast: its value on one device, zeros on the others.
   """
-  return g if full_spec(g) == spec else jax.sharding.reshard(g, spec)
+  if full_spec(g) == spec:
+    return g
+  return cast_unreduced(g, spec)
+
+
+def cast_unreduced(x: Any, spec: P) -> Any:
+  """``x`` resharded to ``spec``: its partitions first, then the cast.
+
+  One reshard that changes both aborts XLA (see
+  :func:`reduced_fallbacks.check_casts`).
+  """
+  plain = P(*partitions(spec))
+  if partitions(full_spec(x)) != partitions(spec):
+    x = jax.sharding.reshard(x, plain)
+  return jax.sharding.reshard(x, spec)
 
 
 def gathered(lay: Layout, tree: Any) -> Any:
@@ -293,8 +307,9 @@ def finish(lay: Layout, total: Any) -> Any:
   """
   deferred = lay.policy.gradient_sync == fsdp.DEFERRED
   return lay.treedef.unflatten([
-      jax.sharding.reshard(
-          s, _unreduced_over_rest(lay, i) if deferred else lay.targets[i])
+      jax.sharding.reshard(s, lay.targets[i]) if not deferred
+      else jax.sharding.reshard(s, _unreduced_over_rest(lay, i))
+      if lay.reduced[i] else cast_unreduced(s, _unreduced_over_rest(lay, i))
       for i, s in enumerate(_leaves(lay, total))
   ])
 
