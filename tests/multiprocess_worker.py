@@ -3,12 +3,18 @@
 Usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_JSON
 
 Gives itself LOCAL_DEVICES simulated CPU devices, joins the other processes
-on 127.0.0.1:PORT over gloo, shards a global batch
-over the ``data`` axis of a mesh of every process's CPU devices, runs
-``oa.value_and_grad(..., axis_name="data")`` under ``jax.jit`` and writes the
-loss, the gradient and the step's collective counts to OUT_JSON. Importing
-this module only defines the problem, for the test's single-process
-reference.
+on 127.0.0.1:PORT over gloo, and runs two problems under ``jax.jit`` on
+meshes of every process's CPU devices (Explicit axes: the typed form):
+
+* a linear model, the batch sharded over a ``data`` axis of all devices,
+  ``oa.value_and_grad(..., axis_name="data")``;
+* the cookbook-style decoder of ``typed_model.py`` on a ``data`` x
+  ``tensor`` mesh, its tensor-parallel weights spanning the processes,
+  ``oa.value_and_grad`` without ``axis_name``.
+
+It writes the losses, the gradients and the steps' collectives to OUT_JSON.
+Importing this module only defines the problems, for the test's
+single-process reference.
 """
 
 import json
@@ -19,7 +25,8 @@ import numpy as np
 
 import helpers
 
-LOCAL_DEVICES = 2  # per process.
+LOCAL_DEVICES = 4  # per process.
+TYPED_BATCH = 16  # sequences of the decoder problem.
 NUM_MICROBATCHES = 2
 BATCH, SEQ, DIM = 16, 4, 8
 
@@ -81,19 +88,67 @@ def main(process_id: int, num_processes: int, port: int, out: str) -> None:
         axis_name="data",
     ))
     loss, grads = fn(params_, batch)
-    counts = oa.count_collectives(fn.lower(params_, batch).compile())
+    compiled = fn.lower(params_, batch).compile()
   local = lambda x: np.asarray(x.addressable_data(0)).tolist()
+  result = {
+      "process_index": jax.process_index(),
+      "device_count": jax.device_count(),
+      "local_device_count": jax.local_device_count(),
+      "loss": local(loss),
+      "grads": jax.tree.map(local, grads),
+      "reductions": _reductions(compiled, mesh, ("data",)),
+  }
+  result["typed"] = _typed_problem(global_array)
   with open(out, "w") as f:
-    json.dump({
-        "process_index": jax.process_index(),
-        "device_count": jax.device_count(),
-        "local_device_count": jax.local_device_count(),
-        "loss": local(loss),
-        "grads": jax.tree.map(local, grads),
-        "in_loop": counts.in_loop,
-        "total": counts.total,
-    }, f)
+    json.dump(result, f)
   jax.distributed.shutdown()
+
+
+def _reductions(compiled, mesh, data_axes):
+  """``[looped, bytes]`` of each reduction over the data axes."""
+  from optax_accum._src import hlo  # pylint: disable=g-import-not-at-top
+  return [[c.looped, c.nbytes] for c in hlo.collectives(compiled, mesh)
+          if c.collective in ("all-reduce", "reduce-scatter")
+          and set(c.axes) & set(data_axes)]
+
+
+def typed_config():
+  import typed_model  # pylint: disable=g-import-not-at-top
+  return typed_model.Config(batch_axes=("data",), tensor="tensor")
+
+
+def _typed_problem(global_array):
+  """The decoder on data x tensor: loss, whole gradient, reductions."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  import optax_accum as oa  # pylint: disable=g-import-not-at-top
+  import typed_model as tm  # pylint: disable=g-import-not-at-top
+
+  mesh = jax.make_mesh((jax.device_count() // 2, 2), ("data", "tensor"))
+  cfg = typed_config()
+  with jax.set_mesh(mesh):
+    params_ = jax.tree.map(
+        lambda x, spec: jax.make_array_from_callback(
+            x.shape, jax.NamedSharding(mesh, spec),
+            lambda index: np.asarray(x)[index]),
+        tm.init(tm.Config()), tm.specs(cfg))
+    batch = jax.tree.map(
+        lambda x: jax.make_array_from_callback(
+            x.shape, jax.NamedSharding(mesh, P("data")),
+            lambda index: np.asarray(x)[index]),
+        tm.batch(tm.Config(), TYPED_BATCH))
+    fn = jax.jit(oa.value_and_grad(
+        tm.loss_fn(cfg), num_microbatches=NUM_MICROBATCHES,
+        num_tokens_fn=tm.num_tokens))
+    loss, grads = fn(params_, batch)
+    compiled = fn.lower(params_, batch).compile()
+    whole = multihost_utils.process_allgather(grads, tiled=True)
+  return {
+      "loss": float(np.asarray(loss.addressable_data(0))),
+      "grads": jax.tree.map(lambda x: np.asarray(x).tolist(), whole),
+      "reductions": _reductions(compiled, mesh, ("data",)),
+  }
 
 
 if __name__ == "__main__":

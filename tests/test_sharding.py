@@ -22,15 +22,6 @@ def test_restrict_keeps_only_the_named_axes():
   assert sharding.restrict(spec, "tensor") == P()
 
 
-def test_a_replicated_explicit_leaf_is_laid_out_for_the_data_axis():
-  with jax.set_mesh(_mesh()):
-    x = jax.device_put(jnp.ones((8, 4)), P(None, "model"))
-    split = jax.jit(lambda x: sharding.laid_out_over(x, "data", 0))(x)
-    kept = jax.jit(lambda x: sharding.laid_out_over(x, "data", None))(x)
-  assert split.sharding.spec == P("data", "model")
-  assert kept.sharding.spec == P(None, "model")
-
-
 def test_blockwise_reduce_scatter_of_a_tensor_parallel_operand():
   """jax 0.10 cannot type psum_scatter of such an operand; blockwise can."""
   rng = np.random.default_rng(0)

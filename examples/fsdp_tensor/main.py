@@ -3,10 +3,11 @@ r"""FSDP x tensor parallelism with logical axis rules, exactly the full batch.
 A small Flax NNX transformer whose parameters carry logical axes
 (``nnx.with_partitioning``) is laid out on a ``data`` x ``fsdp`` x ``tensor``
 mesh of 2 x 2 x 2 simulated CPU devices with Explicit axes, and trained with
-``oa.value_and_grad(..., axis_name=("data", "fsdp"))``, dropout and a
-token-weighted loss. The script checks the gradient against one device on the
-whole batch and prints the compiled step's collectives by mesh axis. See
-README.md.
+``oa.value_and_grad`` under ``jax.jit`` (the data axes read off the batch's
+sharding), dropout and a token-weighted loss. The script checks the gradient
+against one device on the whole batch and prints the compiled step's
+collectives by mesh axis, beside those of the full-batch ``jax.jit`` step.
+See README.md.
 
 Run it from the repository root::
 
@@ -70,10 +71,22 @@ def print_report(results: dict[str, Any]) -> None:
         + " ".join(f"{loss:.4f}" for loss in results["losses"]))
   print("\nCollectives of one compiled train step, by the mesh axes they run"
         " over\n(oa.count_collectives(compiled, mesh=mesh).by_axes):\n")
-  print(f"{'axes':<18}{'in the micro-batch loop':<34}after the loop")
-  for axes, counts in results["collectives"].by_axes.items():
-    print(f"{'+'.join(axes) or 'none':<18}{_places(counts, 'in_loop'):<34}"
-          f"{_places(counts, 'outside')}")
+  print(f"{'axes':<18}{'in the micro-batch loop':<34}{'after the loop':<34}"
+        "full-batch jax.jit step")
+  full = results["full_batch_collectives"].by_axes
+  for axes in sorted(set(results["collectives"].by_axes) | set(full),
+                     key=lambda a: (len(a), a)):
+    counts = results["collectives"].by_axes.get(axes)
+    print(f"{'+'.join(axes) or 'none':<18}"
+          f"{_places(counts, 'in_loop') if counts else 'none':<34}"
+          f"{_places(counts, 'outside') if counts else 'none':<34}"
+          f"{_places(full[axes], 'total') if axes in full else 'none'}")
+  report = results["report"]
+  print(f"\nKept replicated, reduced in each micro-batch (oa.sharding_report):"
+        f" {len(report.fallback_leaves)} leaves,"
+        f" {report.fallback_share:.1%} of the gradient's bytes:")
+  for leaf in report.fallback_leaves:
+    print(f"  {leaf}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -96,7 +96,7 @@ class Transformer(nnx.Module):
             nnx.initializers.normal(1.0), "vocab", "embed"))
     self.positions = nnx.Param(
         0.02 * jax.random.normal(rngs.params(), (seq_len, dim)),
-        out_sharding=(None, "embed"))
+        out_sharding=(None, None))  # small: replicated, not FSDP.
     self.blocks = nnx.List([
         Block(dim, num_heads, mlp_dim, dropout, rngs)
         for _ in range(num_layers)])

@@ -132,6 +132,13 @@ def train(args, batch) -> dict[str, Any]:
                    donate_argnums=(0, 2))
     compiled = step.lower(params, rest, opt_state, on_devices,
                           jax.random.key(0)).compile()
+    # The same model's full-batch gradient, for its collectives: the ones
+    # over "tensor" are the model's own, which the loop should not add to.
+    full_batch = jax.jit(jax.value_and_grad(make_loss(graphdef))).lower(
+        params, on_devices, rest, rng=jax.random.key(0)).compile()
+    report = oa.sharding_report(make_value_and_grad(graphdef, args.k),
+                                params, on_devices, rest,
+                                rng=jax.random.key(0))
     losses = []
     for i in range(args.steps):
       params, opt_state, loss = compiled(
@@ -140,6 +147,8 @@ def train(args, batch) -> dict[str, Any]:
   return {
       "losses": losses,
       "collectives": oa.count_collectives(compiled, mesh=mesh),
+      "full_batch_collectives": oa.count_collectives(full_batch, mesh=mesh),
+      "report": report,
   }
 
 

@@ -12,9 +12,14 @@ order, data passing downward:
   value_and_grad.py     checks the arguments once; builds a stages.Program
    |                    (microbatch_loop.program) and runner.Settings
   runner.py             run(): the dispatch by form (forms.py), then
-   |  forms.py            SINGLE / MANUAL (shard_map, pmap) / MESH (jit + mesh)
-   |  (MESH)             over_mesh(): the batch laid out over the data axes
-   |                      (sharding.py), a shard_map around on_device()
+   |  forms.py            SINGLE / MANUAL (shard_map, pmap) /
+   |                      TYPED (jit, Explicit data axes) / MESH (jit, Auto)
+   |  (TYPED)            typed_form.run(): split, hold (typed_layout.py:
+   |                      parameters reduced, sums unreduced), local,
+   |                      one reshard, finalize; reduced_fallbacks.py finds
+   |                      the leaves JAX cannot type reduced
+   |  (MESH)             over_mesh(): a shard_map over the data axes around
+   |                      on_device()
    |  on_device()        gather: fsdp.hold (FSDP layouts, fsdp.py)
    |                     local: Program.local -> stages.Partials
    |                       microbatch_loop.py  the scan over micro-batches
@@ -41,6 +46,10 @@ Result, Program). Nothing below runner.py calls back into an entry module.
    |                    decision, the next AccumulateState
   emitting.py           the lax.cond's emitting branch: the one reduction per
                         update (partial_sums.py), inner on the mean
+
+The loop and gradient caching call their layout's functions (hold,
+for_microbatch, zero_grads, add_grads, finish) on either an fsdp.Layout
+(manual axes) or a typed_layout.Layout (Explicit axes, in the types).
 
 Helpers shared by both: axes.py (manual axes, device_local), sharding.py
 (specs, gathers, reduce-scatters), validation.py (argument checks),

@@ -290,6 +290,7 @@ def _parse(text: str) -> tuple[str, dict[str, list[tuple[str, str, str]]]]:
 def count_collectives(
     program: Any,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    min_bytes: int = 0,
 ) -> CollectiveCounts:
   """Counts the collectives of a compiled program, inside and outside loops.
 
@@ -319,6 +320,10 @@ def count_collectives(
       The device ids in HLO text are read in the mesh's device order
       (``mesh.devices.flat``), the order ``jit`` under the mesh uses; a
       compiled program's own device assignment is used when it has one.
+    min_bytes: count only the collectives whose result has at least this
+      many bytes: ``min_bytes=64`` leaves out the scalars (a loss, a token
+      count) that a loss on a sharded batch reduces, to see the
+      gradient-sized ones.
 
   Returns:
     A :class:`CollectiveCounts` of dicts mapping collective names to counts:
@@ -371,6 +376,8 @@ def count_collectives(
   tally = _Tally()
   tally_by_axes = collections.defaultdict(_Tally)
   for found in _collectives(program, positions, mesh):
+    if found.nbytes < min_bytes:
+      continue
     tally.add(found.collective, found.looped, found.branched)
     if positions is not None:
       tally_by_axes[found.axes].add(found.collective, found.looped,

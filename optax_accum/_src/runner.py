@@ -164,30 +164,26 @@ def _refuse_manual_annotation(error: ValueError,
 
 def over_mesh(program: stages.Program, settings: Settings, params: Any,
               inputs: loss_signature.Inputs) -> stages.Result:
-  """:func:`on_device` in a shard_map over the data axes of the mesh.
+  """:func:`on_device` in a shard_map over the (Auto) data axes of the mesh.
 
   Every device splits its own shard of the batch into micro-batches;
-  parameters sharded over the data axes arrive as shards, the rest of
-  ``inputs`` replicated. A stacked aux leaf comes back concatenated over
-  devices along ``program.aux_axis``.
+  parameters sharded over the data axes (``param_specs``) arrive as shards,
+  the rest of ``inputs`` replicated. A stacked aux leaf comes back
+  concatenated over devices along ``program.aux_axis``. Explicit data axes
+  run in the typed form instead (:mod:`typed_form`).
   """
   axis_name = settings.axis_name
+  if settings.policy.gradient_sync == fsdp.DEFERRED:
+    unreduced_sums.check_mesh(axis_name)  # Auto axes: refused, by name.
   batch = inputs.batch
   leaf_axes = batching.leaf_axes(batch, settings.batch_axes)
   batching.check_divisible(
       batching.split_size(batch, leaf_axes), settings.num_microbatches,
       devices=forms.axis_size(axis_name),
   )
-  leaves, treedef = jax.tree.flatten(batch)
-  batch_specs = treedef.unflatten(
+  batch_specs = jax.tree.structure(batch).unflatten(
       [_batch_spec(a, axis_name) for a in leaf_axes])
-  batch = treedef.unflatten([
-      sharding.laid_out_over(x, axis_name, a)
-      for x, a in zip(leaves, leaf_axes)
-  ])
-  replicated = jax.tree.map(
-      lambda x: sharding.laid_out_over(x, axis_name, None),
-      inputs._replace(batch=None))
+  replicated = inputs._replace(batch=None)
   param_specs = _param_specs(params, settings)
   settings = settings._replace(param_specs=param_specs)
 
@@ -202,20 +198,14 @@ def over_mesh(program: stages.Program, settings: Settings, params: Any,
         stacked=_stack_over_devices(program, result.aux.stacked))
     return result._replace(aux=aux)
 
-  grad_specs, manual = param_specs, set(axes.axes_of(axis_name))
-  if settings.policy.gradient_sync == fsdp.DEFERRED:
-    # Typed unreduced over the data axes that do not shard a parameter.
-    unreduced_sums.check_mesh(axis_name)
-    grad_specs = unreduced_sums.grad_specs(param_specs, axis_name)
-    manual = set(jax.sharding.get_abstract_mesh().axis_names)
   stacked_spec = P(*([None] * program.aux_axis), axis_name)
   out_specs = stages.Result(
-      loss=P(), grads=grad_specs, model_state=P(),
+      loss=P(), grads=param_specs, model_state=P(),
       aux=aux_reduction.Parts(stacked_spec, P()), stats=P())
   sharded = jax.shard_map(
       body,
       in_specs=(param_specs, batch_specs, P()),
       out_specs=out_specs,
-      axis_names=manual,
+      axis_names=set(axes.axes_of(axis_name)),
   )
   return sharded(params, batch, replicated)

@@ -172,49 +172,6 @@ def sum_into_shards(
   return treedef.unflatten(out), extra
 
 
-def _typed_over(x: Any, axis_name: axes.AxisName) -> P | None:
-  """``x``'s spec if its type is on a mesh whose ``axis_name`` is Explicit.
-
-  A replicated array counts too (its spec has no names): its type says that
-  it is replicated over the axis, and a shard_map must be told.
-  """
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  spec = getattr(sharding, "spec", P())
-  if mesh is None or getattr(mesh, "empty", True):
-    mesh, spec = jax.sharding.get_abstract_mesh(), P()  # a host array.
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
-  if all(types.get(a) == AxisType.Explicit for a in axes.axes_of(axis_name)):
-    return spec
-  return None
-
-
-def laid_out_over(x: Any, axis_name: axes.AxisName, split: int | None) -> Any:
-  """Reshards an explicitly sharded ``x`` for a shard_map over ``axis_name``.
-
-  Dimension ``split`` is split over ``axis_name`` (a batch axis; a
-  replicated array is sliced locally, without communication); with None,
-  ``x`` is replicated over it. Its other dimensions keep their sharding over
-  other mesh axes. Arrays whose type carries no Explicit sharding over the
-  axis are returned as they are.
-  """
-  spec = _typed_over(x, axis_name)
-  if spec is None:
-    return x
-  dropped = set(axes.axes_of(axis_name))
-  entries = list(spec) + [None] * (jnp.ndim(x) - len(spec))
-  kept = [
-      entry(tuple(n for n in axes.axes_of(e) if n is not None
-                   and n not in dropped))
-      for e in entries
-  ]
-  if split is not None:
-    kept[split] = axis_name
-  if tuple(kept) == tuple(entries):
-    return x
-  return jax.sharding.reshard(x, P(*kept))
-
-
 def sq_norm_of_shards(tree: Any, specs: Any, sq_norm: Any) -> jax.Array:
   """The squared norm of a tree whose leaves are shards laid out by ``specs``.
 

@@ -49,10 +49,10 @@ def check_supported(what: str) -> None:
 
 
 def check_mesh(axis_name: axes.AxisName) -> None:
-  """Under jit, only a mesh of Explicit axes can type a gradient unreduced.
+  """Under jit, only Explicit axes can type a gradient unreduced.
 
-  JAX types a shard_map's outputs unreduced only when every mesh axis of
-  size over one is manual, so ``axis_name`` must span them all.
+  On Explicit axes the typed form (:mod:`typed_form`) runs instead of the
+  shard_map this guards, so only Auto axes get here.
   """
   check_supported("gradient_sync='deferred'")
   mesh = jax.sharding.get_abstract_mesh()
@@ -64,23 +64,6 @@ def check_mesh(axis_name: axes.AxisName) -> None:
         " jax.make_mesh(..., axis_types=(AxisType.Explicit, ...)), or use"
         " gradient_sync='once'."
     )
-  others = sorted(
-      name for name, size in zip(mesh.axis_names, mesh.axis_sizes)
-      if size > 1 and name not in axes.axes_of(axis_name))
-  if others:
-    raise ValueError(
-        f"gradient_sync='deferred' needs axis_name={axis_name!r} to span"
-        f" every axis of the mesh (JAX types a shard_map's outputs unreduced"
-        f" only when all mesh axes are manual), but {others} is not"
-        " in it. Use gradient_sync='once' on meshes with model axes."
-    )
-
-
-def grad_specs(param_specs: Any, axis_name: axes.AxisName) -> Any:
-  """The deferred gradients' specs: unreduced over their slot axes."""
-  return jax.tree.map(
-      lambda s: P(*s, unreduced=set(slot_axes(s, axis_name))),
-      param_specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def unreduced_axes(x: Any) -> frozenset[str]:

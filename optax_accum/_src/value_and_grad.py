@@ -78,39 +78,48 @@ def value_and_grad(
   state that micro-batch ``i - 1`` produced and the final state is returned.
 
   Randomness: ``fn(..., rng=key)`` gives micro-batch ``i`` its own key,
-  ``jax.random.fold_in(key, i)`` (with ``axis_name``, the device's index along
-  the axis is folded in first: ``fold_in(fold_in(key, lax.axis_index(
+  ``jax.random.fold_in(key, i)`` (where ``loss_fn`` sees one device's slice,
+  inside shard_map or pmap or with Auto axes, the device's index along the
+  axis is folded in first: ``fold_in(fold_in(key, lax.axis_index(
   axis_name)), i)``), passed to ``loss_fn`` as ``rng=`` (without ``rng``,
   none is passed): each micro-batch draws its own dropout mask.
 
-  Micro-batch ``i`` is rows ``[i * B // k, (i + 1) * B // k)`` along each
-  leaf's batch axis; without ``axis_name``, a batch sharded along it (Explicit
-  axes, or any batch under :func:`jax.set_mesh` with Auto axes) is split
-  strided instead, micro-batch ``i`` being rows ``i, i + k, i + 2k, ...``,
-  so that it is never resharded (XLA then reduces each micro-batch's
-  gradient over the devices; ``axis_name`` reduces once, after the loop).
+  Micro-batch ``i`` is the ``i``-th of ``k`` contiguous blocks of each
+  device's rows along each leaf's batch axis: on one device rows ``[i * B //
+  k, (i + 1) * B // k)``. Under :func:`jax.set_mesh` with Auto axes and no
+  ``axis_name`` (where XLA decides how the batch is sharded) it is rows ``i,
+  i + k, i + 2k, ...`` instead, so that XLA does not reshard it.
 
-  With ``axis_name`` (data parallelism) the partial sums stay on each device
-  through the loop and are summed over the axis once, after it: one reduction
-  per call instead of one per micro-batch. Inside :func:`jax.shard_map` or
-  :func:`jax.pmap` ``axis_name`` names the manual axis and ``batch`` is this
-  device's shard. Under :func:`jax.jit` with a mesh set by
-  :func:`jax.set_mesh` (Auto or Explicit axes) it names a mesh axis over which
-  the batch is sharded: the loop then runs in a :func:`jax.shard_map` over that
-  axis, each device splitting its own shard into micro-batches (micro-batch
-  ``i`` is every device's ``i``-th slice; the global batch size must be
-  divisible by ``num_microbatches`` times the axis size) and ``loss_fn`` sees
-  one device's slice, like under pmap. Parameters sharded over the axis
-  (FSDP: read off the types with Explicit axes, or given as ``param_specs``)
-  are all-gathered once before the loop and their gradients reduce-scattered
-  back to the parameters' sharding after it; ``gradient_sync`` and
-  ``gather_params`` trade that communication for memory. In
-  that mode a stacked ``aux`` leaf comes back concatenated over devices
-  along its first axis after the micro-batch axis (a scalar becomes one entry
-  per device); ``*args``, ``**kwargs``, ``rng`` and batch leaves with
-  ``batch_axes`` None are replicated. With ``has_state`` and ``axis_name``,
-  the floating leaves of the model state are averaged over the axis after
-  the loop, and the others (a PRNG key, a counter) are the first device's.
+  Under :func:`jax.jit` with a batch sharded over Explicit mesh axes (the
+  data axes, read off its type: ``axis_name`` may be omitted, and is checked
+  when given), ``loss_fn`` runs as ``jax.jit(jax.value_and_grad(loss_fn))``
+  runs it, on the global micro-batch (``B / k`` rows, still sharded over the
+  data axes; annotations that name them work). The parameters are typed
+  ``reduced`` over the data axes, so that each micro-batch's gradient is
+  ``unreduced``; the loop carries those partial sums and reduces them once,
+  after it, back to the parameters' sharding (FSDP: gathered once before,
+  reduce-scattered once after). Parameters that JAX cannot type reduced
+  (used elementwise with batch-sharded activations: ``x + bias``) stay
+  replicated and are reduced in every micro-batch, exact; the first trace
+  warns, and :func:`optax_accum.sharding_report` lists them. Axes the batch
+  is not sharded over belong to the model.
+
+  Inside :func:`jax.shard_map` or :func:`jax.pmap` ``axis_name`` names the
+  manual axis and ``batch`` is this device's shard; under :func:`jax.jit`
+  with Auto axes it names a mesh axis over which the batch is sharded and the
+  loop runs in a :func:`jax.shard_map` over it, ``loss_fn`` seeing one
+  device's slice (the global batch size must be divisible by
+  ``num_microbatches`` times the axis size). In these forms the partial sums
+  stay on each device through the loop and are summed over the axis once,
+  after it; parameters sharded over the axis (``param_specs``) are
+  all-gathered once before the loop and their gradients reduce-scattered
+  after it, ``gradient_sync`` and ``gather_params`` trading that
+  communication for memory. A stacked ``aux`` leaf comes back concatenated
+  over devices along its first axis after the micro-batch axis (a scalar
+  becomes one entry per device); ``*args``, ``**kwargs``, ``rng`` and batch
+  leaves with ``batch_axes`` None are replicated. With ``has_state``, the
+  floating leaves of the model state are averaged over the axis after the
+  loop, and the others (a PRNG key, a counter) are the first device's.
 
   Args:
     loss_fn: ``loss_fn(params, microbatch, *args, **kwargs)`` returning a
@@ -131,7 +140,8 @@ def value_and_grad(
     loss_reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over the
       ``num_tokens_fn(microbatch)`` items of its micro-batch.
     axis_name: data-parallel axis (or axes) to sum over once after the loop:
-      a manual axis (shard_map, pmap) or an axis of the current mesh (jit).
+      a manual axis (shard_map, pmap) or an axis of the current mesh (jit;
+      optional with Explicit axes, where the batch's sharding says it).
     accumulator_dtype: floating dtype of the running sums, or a pytree
       prefix of the parameters of such dtypes (one per parameter subtree:
       e.g. bfloat16 for a huge embedding); the loss's and aux's sums are then
