@@ -36,6 +36,7 @@ BENCHMARKS = (
     "bench_noise_scale",     # g. with_stats=True vs without
     "bench_no_sync",         # h. one jit call per micro-batch: deferred sync
     "bench_plan_8b",         # i. planning k for an 8B model, never allocated
+    "bench_typed",           # j. the typed form on a cookbook-style decoder
 )
 RESULTS_DIR = os.path.join(_HERE, "results")
 
