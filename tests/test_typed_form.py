@@ -12,6 +12,9 @@ temporary memory. The negative control: a naive ``lax.scan`` of
 ``jax.grad`` reduces every micro-batch.
 """
 
+import os
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -256,3 +259,60 @@ def test_auto_axes_with_an_annotation_naming_a_data_axis_get_our_error():
     with pytest.raises(ValueError, match=(
         r"loss_fn names the data axis 'data'.*Auto axes.*Explicit")):
       jax.jit(fn)(jnp.ones((4, 3)), {"x": jnp.ones((32, 4))})
+
+
+def test_a_parameter_outside_the_batch_path_is_kept_replicated_and_exact():
+  """``scale * mean(...)``: typed reduced, XLA counted it once per device.
+
+  The loss is then typed reduced and its seed cotangent cast to unreduced,
+  which XLA compiled as the value on every device: gradients 8x too large,
+  silently. The library finds the cast in the traced loop and keeps the
+  leaf replicated.
+  """
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 4)).astype(np.float32)
+
+  def loss(p, mb):
+    return p["scale"] * jnp.mean(jnp.tanh(mb @ p["w"]) ** 2)
+
+  params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+            "scale": jnp.float32(2.0)}
+  want = jax.grad(loss)(params, x)
+  with jax.set_mesh(_mesh("fsdp")):
+    with reduced_fallbacks.collecting() as reports:
+      _, got = jax.jit(oa.value_and_grad(loss, num_microbatches=2,
+                                         equal_weights=True))(
+          params, jax.device_put(x, P("fsdp")))
+  _close(got, want)
+  assert reports[-1].fallback_leaves == ("params['scale']",)
+
+
+_ABORTING_GATHER = """
+import jax, jax.numpy as jnp
+jax.config.update("jax_num_cpu_devices", 8)
+from jax.sharding import AxisType, PartitionSpec as P
+import optax_accum as oa
+mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
+                     axis_types=(AxisType.Explicit,) * 3)
+def loss(p, mb):  # the rows of a table split over "tensor", gathered whole
+  x = p["table"].at[mb["ids"]].get(out_sharding=P())
+  return jnp.mean(jnp.tanh(x))
+with jax.set_mesh(mesh):
+  table = jax.device_put(jnp.ones((16, 8)), P("tensor", "fsdp"))
+  ids = jax.device_put(jnp.zeros((8, 3), jnp.int32), P(("data", "fsdp")))
+  fn = oa.value_and_grad(loss, num_microbatches=2, equal_weights=True)
+  _, grads = jax.jit(fn)({"table": table}, {"ids": ids})
+  want = jax.jit(jax.grad(loss))({"table": table}, {"ids": ids})
+  print(float(abs(grads["table"] - want["table"]).max()))
+"""
+
+
+def test_a_cast_that_xla_aborts_on_is_kept_replicated(tmp_path):
+  """Shardy aborted the process compiling this reduced table's gradient."""
+  script = tmp_path / "gather.py"
+  script.write_text(_ABORTING_GATHER)
+  env = dict(os.environ, PYTHONWARNINGS="ignore")
+  out = subprocess.run([sys.executable, str(script)], capture_output=True,
+                       text=True, env=env, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert float(out.stdout.split()[-1]) < 1e-6  # the full batch's gradient.

@@ -163,8 +163,8 @@ def test_keys_differ_across_devices_under_axis_name_in_shard_map_and_jit():
       for d in range(N) for i in range(K)])
   helpers.assert_trees_close(grads, expected, rtol=1e-5, atol=1e-7)
 
-  # Under jit over a mesh axis: the same keys and gradient.
-  with jax.set_mesh(_mesh()):
+  # Under jit over an Auto mesh axis: the same keys and gradient.
+  with jax.set_mesh(_mesh(AxisType.Auto)):
     (_, mesh_keys), mesh_grads = jax.jit(fn)(
         jax.device_put(_params(), P()), jax.device_put(_data(), P("data")),
         rng=rng)
@@ -219,7 +219,8 @@ def test_batch_axes_and_kwargs_under_jit_over_a_mesh_axis(axis_type):
     loss, grads = fn(jax.device_put(_params(), P()), sharded,
                      jnp.float32(1.0), power=2.0)
     counts = oa.count_collectives(fn.lower(
-        _params(), sharded, jnp.float32(1.0), power=2.0).compile())
+        _params(), sharded, jnp.float32(1.0), power=2.0).compile(),
+                                  include_scalars=False)
   _assert_full_batch(loss, grads, batch,
                      lambda p, b: odd_loss(p, b, 1.0, power=2.0))
   assert counts.in_loop == {}
@@ -338,9 +339,9 @@ def test_aux_reduction_over_devices_once_after_the_loop(where):
         out_specs=((P(), dict(reduced, per_example=P("data"))), P())))
     (loss, metrics), grads = fn(params, batch)
     counts = oa.count_collectives(fn.lower(params, batch).compile())
-  else:
+  else:  # Auto axes: each device's slice, as in shard_map.
     fn = jax.jit(fn)
-    with jax.set_mesh(_mesh()):
+    with jax.set_mesh(_mesh(AxisType.Auto)):
       batch = jax.device_put(batch, P("data"))
       (loss, metrics), grads = fn(params, batch)
       counts = oa.count_collectives(fn.lower(params, batch).compile())
@@ -428,11 +429,19 @@ def test_sharded_batch_without_axis_name_is_not_resharded(axis_type):
     naive = oa.count_collectives(jax.jit(_contiguous_scan).lower(
         jax.device_put(_params(), P()),
         jax.device_put(_data(), P("data"))).compile())
-  # The documented layout: micro-batch i holds rows i, i + K, i + 2K, ...
+  # The documented layouts. Explicit axes: micro-batch i is the i-th block
+  # of each device's rows. Auto axes (XLA places the batch): rows i, i + K,
+  # i + 2K, ...
   rows = np.asarray(_data()["mask"]).sum(-1)
-  np.testing.assert_array_equal(tokens, rows.reshape(-1, K).T)
+  if axis_type == AxisType.Explicit:
+    take = lambda x, i: x.reshape((N, K, -1) + x.shape[1:])[:, i].reshape(
+        (-1,) + x.shape[1:])
+  else:
+    take = lambda x, i: x[i::K]
+  np.testing.assert_array_equal(
+      tokens, np.stack([take(rows, i) for i in range(K)]))
   expected = _hand_dropout_grads([
-      (jax.tree.map(lambda x, i=i: x[i::K], _data()),
+      (jax.tree.map(lambda x, i=i: take(np.asarray(x), i), _data()),
        microbatch_rng.key_for(rng, i)) for i in range(K)])
   helpers.assert_trees_close(grads, expected, rtol=1e-5, atol=1e-7)
   for collective in ("all-gather", "all-to-all", "collective-permute"):
@@ -443,5 +452,7 @@ def test_sharded_batch_without_axis_name_is_not_resharded(axis_type):
 def test_sharded_batch_too_small_to_split_names_the_sizes():
   with jax.set_mesh(_mesh()):
     batch = jax.device_put(jax.tree.map(lambda x: x[:16], _data()), P("data"))
-    with pytest.raises(ValueError, match=r"8 devices.*4 rows.*4 \* 8"):
+    with pytest.raises(ValueError, match=(
+        r"batch size 16 must be divisible by num_microbatches \* the data"
+        r" axis size = 4 \* 8")):
       oa.value_and_grad(mean_loss, num_microbatches=4)(_params(), batch)

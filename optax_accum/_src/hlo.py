@@ -290,7 +290,7 @@ def _parse(text: str) -> tuple[str, dict[str, list[tuple[str, str, str]]]]:
 def count_collectives(
     program: Any,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-    min_bytes: int = 0,
+    include_scalars: bool = True,
 ) -> CollectiveCounts:
   """Counts the collectives of a compiled program, inside and outside loops.
 
@@ -320,10 +320,9 @@ def count_collectives(
       The device ids in HLO text are read in the mesh's device order
       (``mesh.devices.flat``), the order ``jit`` under the mesh uses; a
       compiled program's own device assignment is used when it has one.
-    min_bytes: count only the collectives whose result has at least this
-      many bytes: ``min_bytes=64`` leaves out the scalars (a loss, a token
-      count) that a loss on a sharded batch reduces, to see the
-      gradient-sized ones.
+    include_scalars: False leaves out the collectives of scalars only (a
+      loss, a token count: what a loss on a batch sharded over the data axes
+      reduces in every micro-batch), to see the gradient-sized ones.
 
   Returns:
     A :class:`CollectiveCounts` of dicts mapping collective names to counts:
@@ -376,7 +375,7 @@ def count_collectives(
   tally = _Tally()
   tally_by_axes = collections.defaultdict(_Tally)
   for found in _collectives(program, positions, mesh):
-    if found.nbytes < min_bytes:
+    if found.scalar and not include_scalars:
       continue
     tally.add(found.collective, found.looped, found.branched)
     if positions is not None:
@@ -397,6 +396,7 @@ class Collective(NamedTuple):
   branched: bool  # inside a branch of a conditional.
   axes: tuple[str, ...] | None  # the mesh axes it spans (None: no mesh).
   nbytes: int  # the bytes of its result (all of a tuple's parts).
+  scalar: bool  # whether every part of its result is a scalar.
 
 
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64"
@@ -406,13 +406,12 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
              "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 
 
-def _result_bytes(line: str) -> int:
-  """The bytes of an instruction's result, read off its shape in ``line``."""
+def _result_shapes(line: str) -> list[tuple[str, list[int]]]:
+  """``(dtype, dims)`` of each part of an instruction's result."""
   head = _INSTRUCTION.match(line).group(1)
   opcode_at = head.find(_operation(line)[0] + "(")
-  return sum(
-      _ITEMSIZE[dtype] * math.prod(_ints(dims) or [1])
-      for dtype, dims in _SHAPE.findall(head[:opcode_at]))
+  return [(dtype, _ints(dims)) for dtype, dims in
+          _SHAPE.findall(head[:opcode_at])]
 
 
 def _collectives(program: Any, positions: Any = None,
@@ -429,8 +428,11 @@ def _collectives(program: Any, positions: Any = None,
       if collective is not None:
         axes = None if positions is None else _collective_axes(
             rest, positions, mesh)
-        found.append(Collective(collective, looped, branched, axes,
-                                _result_bytes(line)))
+        shapes = _result_shapes(line)
+        found.append(Collective(
+            collective, looped, branched, axes,
+            sum(_ITEMSIZE[t] * math.prod(d or [1]) for t, d in shapes),
+            all(not d for _, d in shapes)))
       if opcode in _ASYNC_CONTINUATIONS:  # the same computation as its start.
         continue
       for attribute, called in _CALLED.findall(rest):

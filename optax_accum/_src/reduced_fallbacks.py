@@ -89,7 +89,7 @@ def _nbytes(leaf: Any) -> int:
 
 
 class UnsafeCast(TypeError):
-  """A cast that JAX accepts at trace time and XLA aborts on at compile."""
+  """A cast that JAX accepts at trace time and XLA gets wrong."""
 
 
 def _partitions(aval: Any) -> tuple[Any, ...]:
@@ -112,39 +112,58 @@ def _sub_jaxprs(value: Any) -> list[Any]:
   return []
 
 
+def _literal(var: Any) -> Any:
+  """The value of a jaxpr literal, or None for a variable."""
+  return getattr(var, "val", None) if type(var).__name__ == "Literal" else None
+
+
 def _scattered_dims(eqn: Any) -> tuple[int, ...]:
   """The operand dimensions a scatter-add indexes into (its rows)."""
   numbers = eqn.params.get("dimension_numbers")
   return tuple(getattr(numbers, "scatter_dims_to_operand_dims", ()) or ())
 
 
-def check_casts(jaxpr: Any) -> None:
-  """Raises :class:`UnsafeCast` where XLA would abort on a cast.
+def _resharded_rows(producer: Any, source: Any, target: Any) -> bool:
+  """Whether a scatter-add's rows get a new sharding in ``target``."""
+  if producer is None or producer.primitive.name not in (
+      "scatter-add", "scatter_add"):
+    return False
+  old, new = _partitions(source), _partitions(target)
+  return any(d < len(new) and new[d] is not None
+             and (d >= len(old) or old[d] != new[d])
+             for d in _scattered_dims(producer))
 
-  Autodiff writes a reshard to an unreduced, newly sharded type where a
-  reduced parameter's cotangent comes back replicated from a scatter-add
-  (the transpose of a gather from a table sharded over a model axis along
-  its rows, read with an ``out_sharding`` that drops the batch axes). JAX
-  accepts it; Shardy aborts the process at compile time ("the result has
-  unreduced axes while the operand has incompatible sharding along
-  reduction factors").
+
+def check_casts(jaxpr: Any) -> None:
+  """Raises :class:`UnsafeCast` where XLA would compile a cast wrongly.
+
+  Two reshards that make a replicated value ``unreduced``, which JAX
+  accepts:
+
+  * of a non-zero constant: autodiff writes one where a reduced parameter
+    reaches the loss other than through the batch (``scale * mean(...)``:
+    the loss is then typed reduced and the seed cotangent 1.0 is cast).
+    XLA has been seen to give every device the value, so that the sum
+    counts it once per device: silently wrong gradients;
+  * of a scatter-add's result whose rows it shards anew (the cotangent of a
+    gather from a table sharded over a model axis along its rows, read with
+    an ``out_sharding`` that drops the batch axes): Shardy aborts the
+    process ("the result has unreduced axes while the operand has
+    incompatible sharding along reduction factors").
   """
   producers = {}
   for eqn in jaxpr.eqns:
     for var in eqn.outvars:
       producers[id(var)] = eqn
     if eqn.primitive.name == "reshard":
-      source, target = eqn.invars[0].aval, eqn.outvars[0].aval
-      producer = producers.get(id(eqn.invars[0]))
-      if (_unreduced(target) and not _unreduced(source)
-          and producer is not None
-          and producer.primitive.name in ("scatter-add", "scatter_add")):
-        old, new = _partitions(source), _partitions(target)
-        if any(d < len(new) and new[d] is not None
-               and (d >= len(old) or old[d] != new[d])
-               for d in _scattered_dims(producer)):
+      var = eqn.invars[0]
+      source, target = var.aval, eqn.outvars[0].aval
+      if _unreduced(target) and not _unreduced(source):
+        constant = _literal(var)
+        if ((constant is not None and bool(jnp.any(jnp.asarray(constant))))
+            or _resharded_rows(producers.get(id(var)), source, target)):
           raise UnsafeCast(
-              f"a reshard from {source} to {target} would abort XLA")
+              f"a reshard from {source} to {target} would not compile right")
     for value in eqn.params.values():
       for sub in _sub_jaxprs(value):
         check_casts(sub)

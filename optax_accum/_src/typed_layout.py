@@ -27,9 +27,8 @@ loop calls either through one :class:`Layout`. Per parameter leaf:
   loop, for each micro-batch; their sum is an ordinary replicated array.
 
 JAX refuses arithmetic between an unreduced array and a replicated scalar,
-and has no unreduced rule for ``where``; the weighted add runs on each
-device's own blocks in a :func:`jax.shard_map` over every mesh axis
-(:func:`unreduced_sums.run_local`), where a partial is a plain array.
+and has no unreduced rule for ``where``: the weight is cast to ``reduced``
+and a micro-batch that is not kept is skipped by a ``lax.cond``.
 """
 
 from typing import Any, NamedTuple
@@ -44,7 +43,6 @@ from optax_accum._src import fsdp
 from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import sharding
 from optax_accum._src import token_weighting
-from optax_accum._src import unreduced_sums
 
 
 class Layout(NamedTuple):
@@ -245,19 +243,32 @@ def as_sums(lay: Layout, grads: Any) -> Any:
   ])
 
 
-def _local_add(grads: list[Any], sums: list[Any],
-               c: token_weighting.Contribution) -> list[Any]:
-  """``sum + weight * g`` on each device's own partials, in one shard_map.
+def _weighted_add(grads: list[Any], sums: list[Any],
+                  c: token_weighting.Contribution) -> list[Any]:
+  """``sum + weight * g`` on unreduced partials, or the sums as they are.
 
-  A None sum gives the weighted term alone (in the dtype of ``dtypes``).
+  In the types JAX checks: the weight is cast to ``reduced`` (a replicated
+  scalar times an unreduced array is refused), and a micro-batch that is
+  not kept is skipped by a ``lax.cond`` (JAX has no unreduced ``where``), so
+  that its partials are never looked at. (A :func:`jax.shard_map` over the
+  partials with the weight as an operand is not used: on partials that
+  autodiff typed unreduced, XLA then counted them once per device.)
   """
+  if not grads:
+    return []
+  data = _data_of(grads)
+  weight = jax.sharding.reshard(c.weight, P(reduced=data))
 
-  def local(grads, sums, c):
-    return [s + token_weighting.weighted(g, c, s.dtype)
-            for g, s in zip(grads, sums)]
+  def add(sums, grads):
+    return [s + weight.astype(s.dtype) * g.astype(s.dtype)
+            for s, g in zip(sums, grads)]
 
-  return unreduced_sums.run_local(
-      local, (grads, sums, c), [full_spec(s) for s in sums])
+  return lax.cond(c.keep, add, lambda sums, grads: list(sums), sums, grads)
+
+
+def _data_of(partials: list[Any]) -> frozenset[str]:
+  return frozenset().union(
+      *(getattr(full_spec(g), "unreduced", frozenset()) for g in partials))
 
 
 def add_grads(lay: Layout, total: Any, grads: Any,
@@ -284,7 +295,8 @@ def add_grads(lay: Layout, total: Any, grads: Any,
         jnp.shape(g), s.dtype, out_sharding=full_spec(g))
     local.append((i, g, base))
   if local:
-    new = _local_add([g for _, g, _ in local], [b for _, _, b in local], c)
+    new = _weighted_add([g for _, g, _ in local], [b for _, _, b in local],
+                        c)
     for (i, _, _), value in zip(local, new):
       if _syncs_in_loop(lay, i):
         value = sums[i] + jax.sharding.reshard(value, full_spec(sums[i]))
