@@ -19,9 +19,9 @@ import pytest
 
 import helpers
 import optax_accum as oa
-from optax_accum._src import sharding
 from optax_accum._src import batching
 from optax_accum._src import forms
+from optax_accum._src import sharding
 
 DIM, HIDDEN, ROWS = 8, 8, 32
 
