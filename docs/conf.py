@@ -64,6 +64,7 @@ autosummary_generate = False
 html_theme = "sphinx_book_theme"
 html_title = "optax_accum"
 html_static_path = ["_static"]
+html_css_files = ["code_blocks.css"]
 html_theme_options = {
     "show_toc_level": 2,
     "use_download_button": False,

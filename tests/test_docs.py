@@ -106,6 +106,11 @@ def test_mathjax_ships_with_the_site():
   assert (bundle.parent / "LICENSE").is_file()
 
 
+def test_css_files_ship_with_the_site():
+  for path in conf.html_css_files:
+    assert _static_file(path), f"{path} is in no folder of html_static_path"
+
+
 # Lines that a page's blocks print, in order, as their comments say.
 PRINTED = {
     "docs/migrating.md": ["True 1 0"],
