@@ -111,6 +111,15 @@ def test_css_files_ship_with_the_site():
     assert _static_file(path), f"{path} is in no folder of html_static_path"
 
 
+@pytest.mark.parametrize(
+    "readme", sorted(p.relative_to(helpers.ROOT).as_posix()
+                     for p in (helpers.ROOT / "examples").glob("*/README.md")))
+def test_every_example_folder_has_a_gallery_page(readme):
+  """Not a download of its README: a page of docs/examples/ includes it."""
+  page = conf.included_files().get((helpers.ROOT / readme).resolve())
+  assert page and page.parent == DOCS / "examples", (readme, page)
+
+
 # Lines that a page's blocks print, in order, as their comments say.
 PRINTED = {
     "docs/migrating.md": ["True 1 0"],
