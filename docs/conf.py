@@ -63,16 +63,22 @@ autosummary_generate = False
 
 html_theme = "sphinx_book_theme"
 html_title = "optax_accum"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["code_blocks.css"]
 html_theme_options = {
     "show_toc_level": 2,
     "use_download_button": False,
     "use_fullscreen_button": False,
 }
-# MathJax loads from its CDN, so maths renders when the reader is online. To
-# read offline, point at a local copy (``npm install mathjax@4``; its SVG
-# output needs no web fonts, which browsers refuse to load from file://):
-#   sphinx-build ... -D mathjax_path=file:///.../mathjax/tex-mml-svg.js
+# MathJax ships with the site, so maths renders offline and from file:// (the
+# default loads it from a CDN, and a reader without the network sees raw TeX).
+# docs/_static/mathjax/ holds es5/tex-svg-full.js and LICENSE of the npm
+# package mathjax 3.2.2 (``npm pack mathjax@3.2.2``), unchanged: one file with
+# every TeX extension (none is fetched on demand) and SVG output, whose glyphs
+# are inside it (CHTML output needs web fonts, which browsers refuse to load
+# from file://; MathJax 4 fetches glyphs outside its base set from a CDN).
+# The path is relative to _static/; tests/test_docs.py checks the file.
+mathjax_path = "mathjax/tex-svg-full.js"
 pygments_style = "default"
 
 

@@ -84,6 +84,42 @@ def test_included_files_exist():
       assert (helpers.ROOT / path).is_file(), (page, path)
 
 
+def _static_file(path: str):
+  """The file of docs/ that the site serves as ``_static/<path>``, or None."""
+  for folder in conf.html_static_path:
+    if (DOCS / folder / path).is_file():
+      return DOCS / folder / path
+  return None
+
+
+def test_mathjax_ships_with_the_site():
+  """Maths renders offline: MathJax is a file of the site, not a CDN's.
+
+  Loaded from a CDN, a reader without the network sees raw TeX. The bundle is
+  one with SVG output (CHTML output needs web fonts, which browsers refuse to
+  load from file://), with its licence beside it.
+  """
+  assert not re.match(r"([a-z]+:)?//", conf.mathjax_path), conf.mathjax_path
+  bundle = _static_file(conf.mathjax_path)
+  assert bundle, f"{conf.mathjax_path} is in no folder of html_static_path"
+  assert "svg" in bundle.name, bundle
+  assert (bundle.parent / "LICENSE").is_file()
+
+
+def test_css_files_ship_with_the_site():
+  for path in conf.html_css_files:
+    assert _static_file(path), f"{path} is in no folder of html_static_path"
+
+
+@pytest.mark.parametrize(
+    "readme", sorted(p.relative_to(helpers.ROOT).as_posix()
+                     for p in (helpers.ROOT / "examples").glob("*/README.md")))
+def test_every_example_folder_has_a_gallery_page(readme):
+  """Not a download of its README: a page of docs/examples/ includes it."""
+  page = conf.included_files().get((helpers.ROOT / readme).resolve())
+  assert page and page.parent == DOCS / "examples", (readme, page)
+
+
 # Lines that a page's blocks print, in order, as their comments say.
 PRINTED = {
     "docs/migrating.md": ["True 1 0"],
