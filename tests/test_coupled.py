@@ -7,6 +7,9 @@ read from the compiled program, collectives from its HLO.
 """
 
 import itertools
+import os
+import subprocess
+import sys
 
 import chex
 import jax
@@ -17,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
+import helpers
 import optax_accum as oa
 
 N = 8  # simulated devices (tests/conftest.py).
@@ -400,3 +404,30 @@ def test_bad_rng_and_unbound_axis_are_named():
   with jax.set_mesh(_mesh(AxisType.Auto)):
     with pytest.raises(ValueError, match=r"24 .* 2 \* 8"):
       jax.jit(_coupled(axis_name="data"))(_params(), _data(batch=24))
+
+
+# bfloat16 on a data x model mesh: XLA aborted the process compiling a
+# bfloat16 sum over "data" in a shard_map that leaves "model" automatic.
+
+BF16_CASES = [(entry, form, layout)
+              for entry in ("coupled", "value_and_grad")
+              for form in ("auto", "explicit", "shard_map")
+              for layout in ("tp", "fsdp")
+              if entry == "coupled" or (form, layout) in (
+                  ("auto", "tp"), ("shard_map", "fsdp"),
+                  ("explicit", "fsdp"))]
+
+
+@pytest.mark.parametrize("entry,form,layout", BF16_CASES)
+def test_bfloat16_on_a_data_by_model_mesh_runs_and_matches_one_device(
+    entry, form, layout):
+  """Each case in its own process (tests/bf16_mesh_worker.py): an abort
+  there fails this case only."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+      [str(helpers.ROOT), str(helpers.ROOT / "tests")]))
+  done = subprocess.run(
+      [sys.executable, str(helpers.ROOT / "tests" / "bf16_mesh_worker.py"),
+       entry, form, layout],
+      env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "matches one device" in done.stdout, done.stdout

@@ -111,9 +111,8 @@ def _local(c: _Coupled, params, inputs, lay) -> stages.Partials:
   cotangents = out.cotangents
   if axis_name is not None:
     cotangents = _over_rows(
-        lambda x: lax.psum_scatter(
-            x, axis_name, scatter_dimension=0, tiled=True
-        ),
+        lambda x: sharding.summed_in_float32(lambda y: lax.psum_scatter(
+            y, axis_name, scatter_dimension=0, tiled=True), x),
         cotangents,
     )
   cotangents = [batching.split_rows(t / devices, k, batch_split.strided)
