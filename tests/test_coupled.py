@@ -336,6 +336,21 @@ def test_under_jit_with_fsdp_params_and_aux():
       aux, np.asarray(_data(batch=32)["y"]).reshape(N, -1).sum(1), rtol=1e-5)
 
 
+def test_shard_map_with_fsdp_params_takes_param_specs():
+  specs = {"wa": P("data"), "wb": P(), "v": P(), "router": P(), "log_t": P()}
+
+  def step(**kwargs):
+    return jax.jit(jax.shard_map(
+        _coupled(axis_name="data", **kwargs), mesh=_mesh(AxisType.Auto),
+        in_specs=(specs, P("data")), out_specs=(P(), specs)))
+
+  _assert_close(step(param_specs=specs)(_params(), _data(batch=32)),
+                _expected(32))
+  with pytest.raises(ValueError, match=(
+      r"\(params\['wa'\]\) with param_specs=None\. If they are shards")):
+    step()(_params(), _data(batch=32))
+
+
 def test_rng_differs_across_devices():
   params, batch = _params(), _data(batch=32)
   coupled = oa.coupled_value_and_grad(
