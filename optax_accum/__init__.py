@@ -20,6 +20,7 @@ from optax_accum._src.state_lookup import (
 )
 from optax_accum._src.state_lookup import grad_stats as grad_stats
 from optax_accum._src.state_lookup import has_updated as has_updated
+from optax_accum._src.state_lookup import tokens_seen as tokens_seen
 from optax_accum._src.value_and_grad import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"
@@ -39,5 +40,6 @@ __all__ = (
     "has_updated",
     "plan_microbatches",
     "state_partition_specs",
+    "tokens_seen",
     "value_and_grad",
 )

@@ -201,3 +201,30 @@ def test_sharded_nnx_model_restores_mid_cycle_under_an_explicit_mesh(
       micro_step(resumed, resumed_optimizer, mb)
     helpers.assert_trees_equal(nnx.state(resumed), nnx.state(model))
     assert bool(oa.has_updated(resumed_optimizer))
+
+
+def test_a_checkpoint_saved_before_tokens_seen_restores_as_docs_say(tmp_path):
+  """docs/migrating.md: the old structure, then the fields of a new state."""
+  tx = _tx()
+  step = _make_step(tx)
+  params, state = _params(), tx.init(_params())
+  for batch in _micro_batches()[:INTERRUPT_AFTER]:
+    params, state = step(params, state, batch)
+  assert float(oa.tokens_seen(state)) > 0
+  new_fields = ("tokens_seen", "tokens_seen_error")
+  old = {k: v for k, v in state._asdict().items() if k not in new_fields}
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "old", old)
+    checkpointer.wait_until_finished()
+    # The new structure does not fit the old checkpoint.
+    with pytest.raises(ValueError):
+      checkpointer.restore(tmp_path / "old", jax.eval_shape(tx.init, params))
+
+    target = jax.eval_shape(tx.init, params)._asdict()
+    del target["tokens_seen"], target["tokens_seen_error"]
+    restored = checkpointer.restore(tmp_path / "old", target)
+  restored = tx.init(params)._replace(**restored)
+  helpers.assert_trees_equal(
+      restored, state._replace(tokens_seen=jnp.float32(0),
+                               tokens_seen_error=jnp.float32(0)))
+  assert float(oa.tokens_seen(restored)) == 0
