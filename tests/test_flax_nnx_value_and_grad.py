@@ -6,6 +6,8 @@ is threaded through the micro-batches with ``has_state=True``, and each
 micro-batch reseeds the dropout stream with the key ``rng=`` hands it.
 """
 
+import contextlib
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -91,10 +93,13 @@ def test_nnx_recipe_threads_state_and_draws_a_mask_per_micro_batch():
   assert not helpers.trees_close(same_key_grads, expected_grads, rtol=1e-2)
 
 
-def test_nnx_recipe_trains_with_nnx_optimizer():
+@pytest.mark.parametrize("axis_name, mesh", [
+    (None, False), (None, True), ("data", True)])
+def test_nnx_recipe_trains_with_nnx_optimizer(axis_name, mesh):
+  """The recipe's train step; on 8 devices (an Auto mesh) too (issue 28)."""
   model, nnx_loss = _recipe()
   grad_fn = oa.value_and_grad(nnx_loss, num_microbatches=K, has_state=True,
-                              equal_weights=True)
+                              equal_weights=True, axis_name=axis_name)
   optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
   @nnx.jit
@@ -106,8 +111,12 @@ def test_nnx_recipe_trains_with_nnx_optimizer():
     return loss
 
   before = jax.tree.map(np.array, nnx.state(model, nnx.Param))
-  losses = [float(train_step(model, optimizer, _batch(), jax.random.key(s)))
-            for s in range(2)]
+  with contextlib.ExitStack() as stack:
+    if mesh:
+      stack.enter_context(jax.set_mesh(jax.make_mesh(
+          (8,), ("data",), axis_types=(AxisType.Auto,))))
+    losses = [float(train_step(model, optimizer, _batch(),
+                               jax.random.key(s))) for s in range(2)]
   assert np.all(np.isfinite(losses))
   assert int(optimizer.step[...]) == 2
   after = jax.tree.map(np.array, nnx.state(model, nnx.Param))
