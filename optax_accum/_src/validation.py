@@ -176,8 +176,9 @@ def first_difference(tree: Any, expected: Any, expected_name: str,
         t, is_leaf=is_leaf)[0]]
 
   got, want = paths_of(tree), paths_of(expected)
-  missing = [p for p in want if p not in set(got)]
-  extra = [p for p in got if p not in set(want)]
+  got_set, want_set = set(got), set(want)
+  missing = [p for p in want if p not in got_set]
+  extra = [p for p in got if p not in want_set]
   parts = []
   if missing:
     parts.append(f"it lacks {_paths(missing)}")
