@@ -24,6 +24,7 @@ from optax_accum._src.state_lookup import (
 )
 from optax_accum._src.state_lookup import grad_stats as grad_stats
 from optax_accum._src.state_lookup import has_updated as has_updated
+from optax_accum._src.state_lookup import tokens_seen as tokens_seen
 from optax_accum._src.value_and_grad import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"
@@ -45,5 +46,6 @@ __all__ = (
     "plan_microbatches",
     "sharding_report",
     "state_partition_specs",
+    "tokens_seen",
     "value_and_grad",
 )

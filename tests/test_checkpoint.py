@@ -8,11 +8,15 @@ uninterrupted run bit for bit.
 """
 
 import chex
+from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 
 import helpers
 import optax_accum as oa
@@ -139,3 +143,88 @@ def test_resume_mid_cycle_matches_uninterrupted_run_bit_for_bit(tmp_path):
   assert not np.array_equal(
       np.asarray(params["w"]), np.asarray(uninterrupted[-1][0]["w"])
   )
+
+
+def _sharded_nnx(mesh):
+  """An NNX model whose kernel is split over "model", and its optimizer."""
+  model = nnx.Linear(3, 8, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
+      nnx.initializers.lecun_normal(), (None, "model")))
+  return model, nnx.Optimizer(model, oa.accumulate(optax.adam(0.1), EVERY_K),
+                              wrt=nnx.Param)
+
+
+def _on_mesh(abstract, mesh):
+  """docs/flax.md's target: the real mesh's shardings, eval_shape's specs."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec)),
+                      abstract)
+
+
+def test_sharded_nnx_model_restores_mid_cycle_under_an_explicit_mesh(
+    tmp_path):
+  """docs/flax.md's sharded restore (issue 28), against the naive target."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(AxisType.Explicit,) * 2)
+
+  @nnx.jit
+  def micro_step(model, optimizer, mb):
+    grads = nnx.grad(lambda m: jnp.mean((m(mb["x"]) - mb["y"]) ** 2))(model)
+    optimizer.update(model, grads, num_tokens=jnp.float32(8))
+
+  rng = np.random.default_rng(0)
+  mbs = [{"x": rng.normal(size=(8, 3)), "y": rng.normal(size=(8, 8))}
+         for _ in range(2 * EVERY_K)]
+  with jax.set_mesh(mesh):
+    model, optimizer = _sharded_nnx(mesh)
+    for mb in mbs[:EVERY_K + 1]:  # one update, one micro-step more
+      micro_step(model, optimizer, mb)
+    saved = nnx.state((model, optimizer))
+    abstract = nnx.state(nnx.eval_shape(lambda: _sharded_nnx(mesh)))
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(tmp_path / "ckpt", saved)
+      checkpointer.wait_until_finished()
+      restored = checkpointer.restore(tmp_path / "ckpt",
+                                      _on_mesh(abstract, mesh))
+    # eval_shape's AbstractMesh shardings are what orbax refuses.
+    with pytest.raises(ValueError, match="AbstractMesh"):
+      ocp.StandardCheckpointer().restore(tmp_path / "ckpt", abstract)
+    helpers.assert_trees_equal(restored, saved)
+    assert jax.tree.map(lambda x: x.sharding, restored) == jax.tree.map(
+        lambda x: x.sharding, saved)
+
+    resumed, resumed_optimizer = _sharded_nnx(mesh)
+    nnx.update((resumed, resumed_optimizer), restored)
+    assert int(oa.find_accumulate_state(
+        resumed_optimizer.opt_state).micro_step) == 1
+    for mb in mbs[EVERY_K + 1:]:
+      micro_step(model, optimizer, mb)
+      micro_step(resumed, resumed_optimizer, mb)
+    helpers.assert_trees_equal(nnx.state(resumed), nnx.state(model))
+    assert bool(oa.has_updated(resumed_optimizer))
+
+
+def test_a_checkpoint_saved_before_tokens_seen_restores_as_docs_say(tmp_path):
+  """docs/migrating.md: the old structure, then the fields of a new state."""
+  tx = _tx()
+  step = _make_step(tx)
+  params, state = _params(), tx.init(_params())
+  for batch in _micro_batches()[:INTERRUPT_AFTER]:
+    params, state = step(params, state, batch)
+  assert float(oa.tokens_seen(state)) > 0
+  new_fields = ("tokens_seen", "tokens_seen_error")
+  old = {k: v for k, v in state._asdict().items() if k not in new_fields}
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "old", old)
+    checkpointer.wait_until_finished()
+    # The new structure does not fit the old checkpoint.
+    with pytest.raises(ValueError):
+      checkpointer.restore(tmp_path / "old", jax.eval_shape(tx.init, params))
+
+    target = jax.eval_shape(tx.init, params)._asdict()
+    del target["tokens_seen"], target["tokens_seen_error"]
+    restored = checkpointer.restore(tmp_path / "old", target)
+  restored = tx.init(params)._replace(**restored)
+  helpers.assert_trees_equal(
+      restored, state._replace(tokens_seen=jnp.float32(0),
+                               tokens_seen_error=jnp.float32(0)))
+  assert float(oa.tokens_seen(restored)) == 0

@@ -7,6 +7,9 @@ read from the compiled program, collectives from its HLO.
 """
 
 import itertools
+import os
+import subprocess
+import sys
 
 import chex
 import jax
@@ -17,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
+import helpers
 import optax_accum as oa
 
 N = 8  # simulated devices (tests/conftest.py).
@@ -332,6 +336,21 @@ def test_under_jit_with_fsdp_params_and_aux():
       aux, np.asarray(_data(batch=32)["y"]).reshape(N, -1).sum(1), rtol=1e-5)
 
 
+def test_shard_map_with_fsdp_params_takes_param_specs():
+  specs = {"wa": P("data"), "wb": P(), "v": P(), "router": P(), "log_t": P()}
+
+  def step(**kwargs):
+    return jax.jit(jax.shard_map(
+        _coupled(axis_name="data", **kwargs), mesh=_mesh(AxisType.Auto),
+        in_specs=(specs, P("data")), out_specs=(P(), specs)))
+
+  _assert_close(step(param_specs=specs)(_params(), _data(batch=32)),
+                _expected(32))
+  with pytest.raises(ValueError, match=(
+      r"\(params\['wa'\]\) with param_specs=None\. If they are shards")):
+    step()(_params(), _data(batch=32))
+
+
 def test_rng_differs_across_devices():
   params, batch = _params(), _data(batch=32)
   coupled = oa.coupled_value_and_grad(
@@ -400,3 +419,30 @@ def test_bad_rng_and_unbound_axis_are_named():
   with jax.set_mesh(_mesh(AxisType.Auto)):
     with pytest.raises(ValueError, match=r"24 .* 2 \* 8"):
       jax.jit(_coupled(axis_name="data"))(_params(), _data(batch=24))
+
+
+# bfloat16 on a data x model mesh: XLA aborted the process compiling a
+# bfloat16 sum over "data" in a shard_map that leaves "model" automatic.
+
+BF16_CASES = [(entry, form, layout)
+              for entry in ("coupled", "value_and_grad")
+              for form in ("auto", "explicit", "shard_map")
+              for layout in ("tp", "fsdp")
+              if entry == "coupled" or (form, layout) in (
+                  ("auto", "tp"), ("shard_map", "fsdp"),
+                  ("explicit", "fsdp"))]
+
+
+@pytest.mark.parametrize("entry,form,layout", BF16_CASES)
+def test_bfloat16_on_a_data_by_model_mesh_runs_and_matches_one_device(
+    entry, form, layout):
+  """Each case in its own process (tests/bf16_mesh_worker.py): an abort
+  there fails this case only."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+      [str(helpers.ROOT), str(helpers.ROOT / "tests")]))
+  done = subprocess.run(
+      [sys.executable, str(helpers.ROOT / "tests" / "bf16_mesh_worker.py"),
+       entry, form, layout],
+      env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "matches one device" in done.stdout, done.stdout

@@ -412,6 +412,41 @@ def test_state_partition_specs_gives_params_specs_to_param_shaped_state():
     oa.state_partition_specs(optax.adam(0.1).init(params), "data")
 
 
+def test_state_partition_specs_suit_a_shard_map_over_data_on_a_2d_mesh():
+  """docs/distributed.md's pattern with w split over an Explicit "model" axis.
+
+  The running sums' types name "model" too; a shard_map over "data" alone
+  refuses in_specs that name it (issue 28), and leaves it to the types.
+  """
+  mesh = _mesh(AxisType.Explicit, (4, 2), ("data", "model"))
+  tx = oa.accumulate(optax.sgd(0.1), every_k=K, axis_name="data")
+
+  def micro_step(params, acc_state, mb):
+    grads = jax.grad(mean_loss)(oa.device_local(params, "data"), mb)
+    updates, acc_state = tx.update(grads, acc_state, params,
+                                   num_tokens=num_tokens(mb))
+    return optax.apply_updates(params, updates), acc_state
+
+  with jax.set_mesh(mesh):
+    params = jax.device_put(_params(), {"w": P("model"), "b": P()})
+    acc_state = tx.init(params)
+    specs = oa.state_partition_specs(acc_state, "data")
+    assert specs.grad_sum == {"w": P("data"), "b": P("data")}
+    step = jax.jit(jax.shard_map(
+        micro_step, in_specs=(P(), specs, P("data")), out_specs=(P(), specs),
+        axis_names={"data"}))
+    for i in range(K):
+      mb = jax.device_put(jax.tree.map(lambda x, i=i: x[i::K], _data()),
+                          P("data"))
+      params, acc_state = step(params, acc_state, mb)
+  assert bool(oa.has_updated(acc_state))
+  assert params["w"].sharding.spec == P("model")
+  _, grads = _expected()
+  helpers.assert_trees_close(
+      params, jax.tree.map(lambda p, g: p - 0.1 * g, _params(), grads),
+      rtol=1e-5, atol=1e-6)
+
+
 def test_accumulate_on_a_2d_mesh_in_shard_map_with_sharded_params():
   """Manual over data and model: the inner state takes the params' specs."""
   mesh = _mesh(AxisType.Explicit, (4, 2), ("data", "model"))

@@ -124,8 +124,9 @@ def test_every_example_folder_has_a_gallery_page(readme):
 PRINTED = {
     "docs/migrating.md": ["True 1 0"],
     # NNX (a micro-step, then the update), oa.apply_if_updated (2 updates),
-    # then the checkpoint restored mid-cycle (micro_step 1).
-    "docs/flax.md": ["1 0 True", "4", "2", "1"],
+    # then the checkpoint restored mid-cycle (micro_step 1), and a sharded
+    # one, restored under the mesh with its sharding.
+    "docs/flax.md": ["1 0 True", "4", "2", "1", "P(None, 'model') 1"],
     "docs/per_leaf_rules.md": ["23.0", "11.0"],
 }
 

@@ -6,11 +6,15 @@ is threaded through the micro-batches with ``has_state=True``, and each
 micro-batch reseeds the dropout stream with the key ``rng=`` hands it.
 """
 
+import contextlib
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 import numpy as np
 import optax
+import pytest
 
 import helpers
 import optax_accum as oa
@@ -44,10 +48,14 @@ def _recipe():
   return model, nnx_loss
 
 
-def _batch(seed=0):
+def _batch_of(rows, seed=0):
   rng = np.random.default_rng(seed)
-  return {"x": jnp.asarray(rng.normal(size=(32, 3)), jnp.float32),
-          "y": jnp.asarray(rng.normal(size=(32, 2)), jnp.float32)}
+  return {"x": jnp.asarray(rng.normal(size=(rows, 3)), jnp.float32),
+          "y": jnp.asarray(rng.normal(size=(rows, 2)), jnp.float32)}
+
+
+def _batch(seed=0):
+  return _batch_of(32, seed)
 
 
 def _by_hand(step, params, model_state, batch, keys):
@@ -85,10 +93,13 @@ def test_nnx_recipe_threads_state_and_draws_a_mask_per_micro_batch():
   assert not helpers.trees_close(same_key_grads, expected_grads, rtol=1e-2)
 
 
-def test_nnx_recipe_trains_with_nnx_optimizer():
+@pytest.mark.parametrize("axis_name, mesh", [
+    (None, False), (None, True), ("data", True)])
+def test_nnx_recipe_trains_with_nnx_optimizer(axis_name, mesh):
+  """The recipe's train step; on 8 devices (an Auto mesh) too (issue 28)."""
   model, nnx_loss = _recipe()
   grad_fn = oa.value_and_grad(nnx_loss, num_microbatches=K, has_state=True,
-                              equal_weights=True)
+                              equal_weights=True, axis_name=axis_name)
   optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
   @nnx.jit
@@ -100,9 +111,72 @@ def test_nnx_recipe_trains_with_nnx_optimizer():
     return loss
 
   before = jax.tree.map(np.array, nnx.state(model, nnx.Param))
-  losses = [float(train_step(model, optimizer, _batch(), jax.random.key(s)))
-            for s in range(2)]
+  with contextlib.ExitStack() as stack:
+    if mesh:
+      stack.enter_context(jax.set_mesh(jax.make_mesh(
+          (8,), ("data",), axis_types=(AxisType.Auto,))))
+    losses = [float(train_step(model, optimizer, _batch(),
+                               jax.random.key(s))) for s in range(2)]
   assert np.all(np.isfinite(losses))
   assert int(optimizer.step[...]) == 2
   after = jax.tree.map(np.array, nnx.state(model, nnx.Param))
   assert not helpers.trees_close(after, before)
+
+
+def _devices_by_hand(step, params, model_state, batch, rng, num_devices):
+  """Each device's micro-batches one by one, with the keys it folds in.
+
+  The mean loss and gradient over every device's micro-batches, and the
+  model state after the loop: the BatchNorm statistics averaged over the
+  devices, the rest (the Rngs counter) the first device's.
+  """
+  losses, grads, states = [], [], []
+  for device, shard in enumerate(helpers.split(batch, num_devices)):
+    keys = [microbatch_rng.key_for(jax.random.fold_in(rng, device), i)
+            for i in range(K)]
+    loss, g, state = _by_hand(step, params, model_state, shard, keys)
+    losses.append(loss)
+    grads.append(g)
+    states.append(state)
+  mean = lambda *xs: sum(xs) / len(xs)
+  return np.mean(losses), jax.tree.map(mean, *grads), \
+      jax.tree.map(mean, *[s["norm"] for s in states]), states[0]
+
+
+@pytest.mark.parametrize("axis_name", [None, "data"])
+def test_nnx_recipe_on_an_auto_mesh(axis_name):
+  """docs/flax.md's recipe under jit on 8 devices (issue 28).
+
+  With ``axis_name`` the loss's new Rngs counter is invariant while the
+  carried one is device-local: the scan refused the carry's type.
+  """
+  model, nnx_loss = _recipe()
+  _, params, model_state = nnx.split(model, nnx.Param, ...)
+  batch = _batch_of(64)
+  rng = jax.random.key(1)
+  grad_fn = jax.jit(oa.value_and_grad(
+      nnx_loss, num_microbatches=K, has_state=True, equal_weights=True,
+      axis_name=axis_name))
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  with jax.set_mesh(mesh):
+    (loss, new_state), grads = grad_fn(params, model_state, batch, rng=rng)
+
+  step = jax.jit(jax.value_and_grad(nnx_loss, has_aux=True))
+  if axis_name is None:
+    # Auto axes may shard the batch: micro-batch i holds rows i, i + K, ...
+    strided = jax.tree.map(
+        lambda x: x.reshape(-1, K, *x.shape[1:]).swapaxes(0, 1).reshape(
+            x.shape), batch)
+    keys = [microbatch_rng.key_for(rng, i) for i in range(K)]
+    expected_loss, expected_grads, expected_state = _by_hand(
+        step, params, model_state, strided, keys)
+    expected_norm = expected_state["norm"]
+  else:
+    expected_loss, expected_grads, expected_norm, expected_state = (
+        _devices_by_hand(step, params, model_state, batch, rng, 8))
+  np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+  helpers.assert_trees_close(grads, expected_grads, rtol=1e-4, atol=1e-6)
+  helpers.assert_trees_close(new_state["norm"], expected_norm,
+                             rtol=1e-5, atol=1e-6)
+  assert int(new_state["dropout"]["rngs"]["count"][...]) == int(
+      expected_state["dropout"]["rngs"]["count"][...])

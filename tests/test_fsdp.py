@@ -99,6 +99,17 @@ def test_every_policy_is_exact_sharded_and_placed(
       gradient_sync, gather_params)
 
 
+def test_shards_inside_shard_map_without_param_specs_are_named():
+  """Shards taken for whole parameters fail in the loss: name param_specs."""
+  step = jax.jit(jax.shard_map(
+      _fn(ONCE, ONCE), mesh=_mesh(axis_type=AxisType.Auto),
+      in_specs=(SPECS, P("data")), out_specs=(P(), SPECS)))
+  with pytest.raises(ValueError, match=(
+      r"vary over axis_name='data' \(params\['b1'\], params\['w1'\]\)"
+      r" with param_specs=None\. If they are shards .* pass param_specs=")):
+    step(_params(), _data())
+
+
 def test_auto_axes_use_the_given_param_specs():
   mesh = _mesh(axis_type=AxisType.Auto)
   shardings = {k: jax.NamedSharding(mesh, s) for k, s in SPECS.items()}

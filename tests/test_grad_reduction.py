@@ -106,6 +106,27 @@ def test_a_prefix_covers_a_subtree_and_mean_is_the_default():
   assert grads["amax"] == expected["amax"]
 
 
+@pytest.mark.parametrize("entry", ["accumulate", "value_and_grad"])
+@pytest.mark.parametrize("rules, where", [
+    # Means only, so nothing else would have noticed (issue 28).
+    ({"lin": "mean", "amax": "mean"}, r"it has no entry for \['last'\]"),
+    ({"lin": "mean", "amax": "mean", "lsat": "mean"},
+     r"its entries at \['lsat'\] match no leaf; it has no entry for"
+     r" \['last'\]"),
+])
+def test_a_grad_reduction_that_is_not_a_prefix_is_refused(entry, rules,
+                                                          where):
+  match = r"grad_reduction must be a single value or a pytree prefix.*" + where
+  with pytest.raises(ValueError, match=match):
+    if entry == "accumulate":
+      oa.accumulate(optax.sgd(0.1), every_k=2,
+                    grad_reduction=rules).init(_params())
+    else:
+      oa.value_and_grad(mean_loss, num_microbatches=K,
+                        num_tokens_fn=helpers.num_tokens,
+                        grad_reduction=rules)(_params(), _batch(LENGTHS))
+
+
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
 def test_accumulate_keeps_only_kept_micro_steps(loss_reduction):
   """Micro-step 1 has no tokens, 2 is dropped by should_skip, 3 is NaN."""

@@ -123,6 +123,61 @@ def test_grads_with_another_structure_than_params_rejected():
     tx.update({"w": jnp.zeros(3), "b": jnp.zeros(4)}, state)
 
 
+def test_prefixes_of_the_params_name_their_missing_and_extra_keys():
+  """accumulator_dtype, grad_reduction and aux_reduction: one helper."""
+  params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+  for kwargs in ({"accumulator_dtype": {"a": jnp.float32}},
+                 {"grad_reduction": {"a": "mean"}}):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=(
+        rf"{name} must be .* prefix .*; it has no entry for \['b'\]\.")):
+      oa.accumulate(optax.sgd(0.1), 2, **kwargs).init(params)
+  aux_fn = oa.value_and_grad(
+      lambda p, x: (jnp.sum(p["a"]) * x.sum(), {"s": x.sum(), "m": x.max()}),
+      num_microbatches=2, has_aux=True, equal_weights=True,
+      aux_reduction={"s": "mean", "n": "max"})
+  with pytest.raises(ValueError, match=(
+      r"aux_reduction .*; its entries at \['n'\] match no leaf; it has no"
+      r" entry for \['m'\]\.")):
+    aux_fn(params, jnp.ones(4))
+
+
+def test_structure_errors_name_paths_not_a_model_states_whole_treedef():
+  """An NNX state's PyTreeDef runs to thousands of characters (issue 28)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class Net(nnx.Module):
+
+    def __init__(self, head: bool):
+      rngs = nnx.Rngs(0)
+      self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(6)])
+      if head:
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+  params = nnx.state(Net(head=False), nnx.Param)
+  grads = nnx.state(Net(head=True), nnx.Param)
+  tx = oa.accumulate(optax.sgd(0.1), 2)
+  state = tx.init(params)
+  with pytest.raises(ValueError) as error:
+    tx.update(grads, state, params, num_tokens=1.0)
+  assert str(error.value) == (
+      "updates must have the structure of the params the state was built"
+      " for: it has ['head']['bias'].value, ['head']['kernel'].value, not in"
+      " the params the state was built for.")
+  with pytest.raises(ValueError, match=r"containers differ \(a dict,"
+                     r" expected a State\)") as error:
+    tx.update(dict(params), state, params, num_tokens=1.0)
+  assert len(str(error.value)) < 300
+  with pytest.raises(ValueError, match=r"it has \['head'\]\['bias'\]"
+                     r"\.value, \['head'\]\['kernel'\]\.value, not in params"):
+    oa.apply_if_updated(params, grads, state)
+  with pytest.raises(ValueError, match=(
+      r"; its entries at \['head'\] match no leaf; it has no entry for"
+      r" \['layers'\]\[0\]\['bias'\]\.value, .* and 9 more\.$")):
+    oa.accumulate(optax.sgd(0.1), 2, grad_reduction={"head": "max"}).init(
+        params)
+
+
 def test_num_tokens_must_be_a_scalar():
   tx = oa.accumulate(optax.sgd(0.1), 2)
   params = {"w": jnp.zeros(3)}

@@ -53,6 +53,13 @@ class AccumulateState(NamedTuple):
       the noise scale's estimate (float32 scalars; per device); else None.
     stats: with ``with_stats``, the :class:`GradStats` of the last cycle that
       emitted (read them with :func:`optax_accum.grad_stats`); else None.
+    tokens_seen: the tokens behind every update emitted since ``init``: the
+      sum of the token counts that the updates' means divided by, over every
+      device (read it with :func:`optax_accum.tokens_seen`); float32, the
+      same on every device.
+    tokens_seen_error: the rounding error of ``tokens_seen``'s running sum,
+      carried into the next addition (Kahan summation), so that the count
+      does not drift over billions of tokens; float32.
   """
 
   micro_step: jax.Array  # shape=(), dtype=jnp.int32.
@@ -65,6 +72,8 @@ class AccumulateState(NamedTuple):
   skipped_count: jax.Array  # shape=() or (slots,), dtype=jnp.int32.
   stats_sums: noise_scale.StatsSums | None  # float32 scalars or (slots,).
   stats: noise_scale.GradStats | None  # float32 scalars.
+  tokens_seen: jax.Array  # shape=(), dtype=jnp.float32.
+  tokens_seen_error: jax.Array  # shape=(), dtype=jnp.float32.
 
 
 _STATS_UNREDUCED = (
@@ -177,9 +186,18 @@ def _zero_where(flag, tree):
   return jax.tree.map(lambda x: jnp.where(flag, jnp.zeros_like(x), x), tree)
 
 
+def _compensated_add(total, error, x):
+  """``total + x`` in float32, the rounding error kept (Kahan summation)."""
+  y = x - error
+  new_total = total + y
+  return new_total, (new_total - total) - y
+
+
 def _next_state(state, micro_step, emit, step: "_MicroStep",
                 emitted: emitting.Emitted):
   cycle = step.cycle
+  tokens_seen, tokens_seen_error = _compensated_add(
+      state.tokens_seen, state.tokens_seen_error, emitted.tokens)
   return AccumulateState(
       micro_step=_zero_where(emit, micro_step),
       count=_increment_where(emitted.updated, state.count),
@@ -191,6 +209,8 @@ def _next_state(state, micro_step, emit, step: "_MicroStep",
       skipped_count=step.skipped_count,
       stats_sums=_zero_where(emit, cycle.stats_sums),
       stats=emitted.stats,
+      tokens_seen=tokens_seen,
+      tokens_seen_error=tokens_seen_error,
   )
 
 
@@ -368,6 +388,8 @@ def _init_state(inner_state, params, accumulator_dtype, axis_name,
           partial_zeros((), jnp.float32), partial_zeros((), jnp.float32)
       ) if with_stats else None,
       stats=noise_scale.nan_stats() if with_stats else None,
+      tokens_seen=jnp.zeros([], jnp.float32),
+      tokens_seen_error=jnp.zeros([], jnp.float32),
   )
 
 

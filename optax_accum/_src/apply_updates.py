@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_accum._src import state_lookup
+from optax_accum._src import validation
 
 
 def _keep(params, updates):
@@ -30,8 +31,9 @@ def _check_like_params(params: Any, updates: Any) -> None:
   if params_def != updates_def:
     raise ValueError(
         "updates must have the tree structure of params (the updates that"
-        f" tx.update returned for them); params has {params_def}, updates"
-        f" has {updates_def}."
+        " tx.update returned for them): "
+        + validation.first_difference(updates, params, "params", is_none)
+        + "."
     )
   leaves = jax.tree.leaves(updates, is_leaf=is_none)
   with_paths = jax.tree_util.tree_leaves_with_path(params, is_leaf=is_none)

@@ -123,5 +123,22 @@ def device_local(tree: Any, axis_name: AxisName) -> Any:
   return jax.tree.map(cast, tree)
 
 
+def varying_like(tree: Any, like: Any) -> Any:
+  """``tree`` with each leaf varying over the axes its ``like`` leaf does.
+
+  A scan's carry must keep its type: a leaf that ``loss_fn`` builds afresh
+  (a counter of ``nnx.Rngs``) is invariant where the carried one, made
+  device-local by the runner, varies.
+  """
+
+  def cast(x, model):
+    missing = tuple(sorted(varying_axes(model) - varying_axes(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  if jax.tree.structure(tree) != jax.tree.structure(like):
+    return tree  # the scan names the mismatch.
+  return jax.tree.map(cast, tree, like)
+
+
 def is_floating(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)

@@ -123,9 +123,8 @@ def _local(c: _Coupled, params, inputs, lay) -> stages.Partials:
                   for t, r in zip(cotangents, sharded_like)]
   if axis_name is not None:
     cotangents = _over_rows(
-        lambda x: lax.psum_scatter(
-            x, axis_name, scatter_dimension=0, tiled=True
-        ),
+        lambda x: sharding.summed_in_float32(lambda y: lax.psum_scatter(
+            y, axis_name, scatter_dimension=0, tiled=True), x),
         cotangents,
     )
   if devices > 1:

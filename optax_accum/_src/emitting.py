@@ -40,6 +40,9 @@ class Emitted(NamedTuple):
   inner_state: Any
   updated: jax.Array  # shape=(), bool: inner ran on a cycle with tokens.
   stats: noise_scale.GradStats | None  # this cycle's, or the previous ones.
+  # shape=(), float32: the tokens the update's mean divided by, over every
+  # device; 0 when none was made.
+  tokens: jax.Array
 
 
 class Emitter(NamedTuple):
@@ -76,13 +79,15 @@ class Emitter(NamedTuple):
           cycle.token_count, inner_state,
       )
       return Emitted(updates, inner_state, updated,
-                     _stats_of(cycle, self.rules))
+                     _stats_of(cycle, self.rules),
+                     jnp.where(updated, cycle.token_count, 0.0))
 
   def skip(self, cycle: Cycle, inner_state, stats) -> Emitted:
     updates, inner_state = self.skip_inner(
         cycle.grad_sum, cycle.token_count, inner_state
     )
-    return Emitted(updates, inner_state, jnp.bool_(False), stats)
+    return Emitted(updates, inner_state, jnp.bool_(False), stats,
+                   jnp.zeros([], jnp.float32))
 
 
 def _reduced(cycle: Cycle, axis_name: axes.AxisName | None,

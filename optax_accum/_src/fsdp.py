@@ -23,6 +23,7 @@ because weights differ by device; differentiating through the gather would
 scatter the unweighted gradient.
 """
 
+import contextlib
 from typing import Any, NamedTuple
 
 import jax
@@ -95,6 +96,37 @@ def specs_like(params: Any, param_specs: Any, axis_name: axes.AxisName) -> Any:
 
 def _is_sharded(spec: P) -> bool:
   return bool(sharding.sharded_dims(spec))
+
+
+@contextlib.contextmanager
+def shards_need_param_specs(param_specs: Any, params: Any,
+                            axis_name: axes.AxisName):
+  """Names ``param_specs`` when a call inside shard_map fails on shards.
+
+  Inside :func:`jax.shard_map` a parameter that varies over the data axis is
+  either a shard (``in_specs`` naming the axis: FSDP) or a device-local copy;
+  only ``param_specs`` tells them apart. Without it the loop takes shards for
+  whole parameters and the loss fails on their shapes; that error is raised
+  again as a ValueError that says what to pass.
+  """
+  data_axes = set(axes.axes_of(axis_name))
+  varying = [] if param_specs is not None else [
+      f"params{jax.tree_util.keystr(path)}"
+      for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+      if data_axes & axes.varying_axes(leaf)]
+  try:
+    yield
+  except (TypeError, ValueError) as e:
+    if not varying:
+      raise
+    shown = ", ".join(varying[:3]) + (", ..." if len(varying) > 3 else "")
+    raise ValueError(
+        f"The call failed inside shard_map on parameters that vary over"
+        f" axis_name={axis_name!r} ({shown}) with param_specs=None. If they"
+        " are shards (in_specs naming the axis: FSDP), pass param_specs= with"
+        " the same specs as the shard_map's in_specs, so that they are"
+        f" gathered whole. The error was: {type(e).__name__}: {e}"
+    ) from e
 
 
 class Layout(NamedTuple):

@@ -37,7 +37,9 @@ REDUCTIONS = (MEAN, MAX, LAST)
 def check(grad_reduction: Any, axis_name: Any) -> Any:
   """``grad_reduction`` if every leaf is a known rule (construction time).
 
-  Returns None when every leaf is "mean": the plain sum, unchanged.
+  Returns None for a single "mean": the plain sum, unchanged. A tree, even
+  of "mean" only, is kept, so that :func:`per_leaf` checks that it fits the
+  gradient (a misspelt key would otherwise go unnoticed).
   """
   leaves = jax.tree_util.tree_flatten_with_path(grad_reduction)[0]
   if not leaves:
@@ -57,7 +59,7 @@ def check(grad_reduction: Any, axis_name: Any) -> Any:
           f" with axis_name={axis_name!r}: the devices' micro-batches have no"
           " order. Use 'max', or reduce without axis_name."
       )
-  if all(leaf == MEAN for _, leaf in leaves):
+  if isinstance(grad_reduction, str) and grad_reduction == MEAN:
     return None
   return grad_reduction
 
@@ -66,8 +68,9 @@ def per_leaf(grad_reduction: Any, tree: Any) -> list[str] | None:
   """The rule of each leaf of ``tree``, in order; None if all are "mean"."""
   if grad_reduction is None:
     return None
-  return validation.prefix_leaves("grad_reduction", grad_reduction, tree,
-                                  "the gradient")
+  rules = validation.prefix_leaves("grad_reduction", grad_reduction, tree,
+                                   "the gradient")
+  return None if all(rule == MEAN for rule in rules) else rules
 
 
 def _identity(rule: str, dtype: Any) -> jax.Array:

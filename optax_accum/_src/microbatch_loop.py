@@ -232,10 +232,11 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
   def step(carry, index):
     sums, model_state = carry
     microbatch = batching.take(batch_split, index)
-    (value, (model_state, aux)), grads = value_and_grad_fn(
+    (value, (new_state, aux)), grads = value_and_grad_fn(
         params_for(index), model_state, microbatch, inputs,
         _rng_for(inputs, index, lay)
     )
+    model_state = axes.varying_like(new_state, model_state)
     tokens = _token_count(opts.num_tokens_fn, microbatch)
     c = token_weighting.contribution(tokens, opts.loss_reduction)
     running, stacked = sums.aux, aux

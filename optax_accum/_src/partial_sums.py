@@ -50,9 +50,9 @@ def slots_sharded_by_type(axis_name: axes.AxisName) -> bool:
 def sum_partials(tree: Any, axis_name: axes.AxisName) -> Any:
   """Sums per-device partial sums (with a leading slot axis) over an axis."""
   axes.check_bound(axis_name)
-  return lax.psum(
-      jax.tree.map(lambda x: x.reshape(x.shape[1:]), tree), axis_name
-  )
+  return sharding.summed_in_float32(
+      lambda t: lax.psum(t, axis_name),
+      jax.tree.map(lambda x: x.reshape(x.shape[1:]), tree))
 
 
 def like_summed(tree: Any, axis_name: axes.AxisName | None) -> Any:

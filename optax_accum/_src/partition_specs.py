@@ -18,15 +18,15 @@ def _slot_spec(param_spec: P, slots: Any, slot: axes.AxisName,
 
   A sum made under a mesh with Explicit axes carries its spec in its type
   (for a parameter sharded over some data axes, FSDP/HSDP, its slots span
-  only the others): without ``param_specs``, that spec is the answer.
+  only the others): without ``param_specs``, that spec over the data axes
+  is the answer. Other mesh axes (a model axis) are left out, as the
+  parameters' are: a shard_map over the data axes alone refuses specs that
+  name them, and one over every axis then holds the parameters whole.
   """
   typed = sharding.explicit_spec(slots) if from_type else None
   if typed is None:
     return P(slot, *param_spec)
-  entries = list(typed)
-  while entries and entries[-1] is None:  # as P(...) writes it.
-    entries.pop()
-  return P(*entries)
+  return sharding.restrict(typed, slot)
 
 
 def state_partition_specs(
@@ -53,7 +53,11 @@ def state_partition_specs(
   this device's one slot. The same state serves ``tx.update`` under plain
   :func:`jax.jit` on unreduced gradients (``gradient_sync="deferred"``);
   there, with Explicit axes, a sum's slots span only the data axes that do
-  not shard its parameter, and its spec is read off its type.
+  not shard its parameter, and its spec is read off its type. Specs name
+  only the axes of ``axis_name`` and of ``param_specs``: a parameter's
+  sharding over another mesh axis that is not manual in the shard_map (a
+  ``model`` axis left to the types, ``axis_names={"data"}``) stays with the
+  types.
 
   Args:
     state: an optimizer state containing an :class:`AccumulateState` (or

@@ -73,7 +73,9 @@ def run(program: stages.Program, settings: Settings, params: Any,
                             form.axis_name)
     settings = settings._replace(axis_name=form.axis_name)
     if form.kind == forms.MANUAL:
-      return on_device(program, settings, params, inputs)
+      with fsdp.shards_need_param_specs(settings.param_specs, params,
+                                        settings.axis_name):
+        return on_device(program, settings, params, inputs)
     return over_mesh(program, settings, params, inputs)
 
 

@@ -101,6 +101,27 @@ def blockwise(fn: Any, x: Any) -> Any:
                        axis_names=names)(x)
 
 
+def summed_in_float32(collective: Any, tree: Any) -> Any:
+  """``collective(tree)``, a sum over devices, taken in float32 at least.
+
+  Leaves of a floating dtype narrower than float32 (bfloat16, float16) are
+  widened for the collective and narrowed after it. XLA aborts the process
+  (``Invalid binary instruction opcode copy``) compiling a bfloat16
+  all-reduce or reduce-scatter in a shard_map that leaves other mesh axes
+  automatic (a data x model mesh); a float32 sum also rounds once, not at
+  every device.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  narrow = [axes.is_floating(x) and jnp.finfo(x.dtype).bits < 32
+            for x in leaves]
+  if not any(narrow):
+    return collective(tree)
+  wide = [x.astype(jnp.float32) if n else x for x, n in zip(leaves, narrow)]
+  out = jax.tree.leaves(collective(treedef.unflatten(wide)))
+  return treedef.unflatten([y.astype(x.dtype) if n else y
+                            for x, y, n in zip(leaves, out, narrow)])
+
+
 def psum(tree: Any, axis_name: axes.AxisName) -> Any:
   """:func:`jax.lax.psum` over ``axis_name``, safe on manual axes of size 1.
 
@@ -117,10 +138,10 @@ def psum(tree: Any, axis_name: axes.AxisName) -> Any:
   trivial = tuple(a for a in names if lax.axis_size(a) == 1)
   active = tuple(a for a in names if a not in trivial)
   if active:
-    tree = lax.psum(tree, active)
+    tree = summed_in_float32(lambda t: lax.psum(t, active), tree)
   if trivial:
-    tree = jax.tree.map(
-        lambda x: blockwise(lambda y: lax.psum(y, trivial), x), tree)
+    tree = jax.tree.map(lambda x: blockwise(lambda y: summed_in_float32(
+        lambda z: lax.psum(z, trivial), y), x), tree)
   return tree
 
 
@@ -129,8 +150,9 @@ def scatter(leaf: Any, spec: P) -> tuple[Any, set[str]]:
   used = set()
   for dim, dim_axes in sharded_dims(spec):
     leaf = blockwise(
-        lambda x, dim=dim, dim_axes=dim_axes: lax.psum_scatter(
-            x, entry(dim_axes), scatter_dimension=dim, tiled=True),
+        lambda x, dim=dim, dim_axes=dim_axes: summed_in_float32(
+            lambda y: lax.psum_scatter(
+                y, entry(dim_axes), scatter_dimension=dim, tiled=True), x),
         leaf)
     used.update(dim_axes)
   return leaf, used

@@ -155,3 +155,38 @@ def grad_stats(state: Any) -> noise_scale.GradStats:
         " optax_accum.accumulate(..., with_stats=True)."
     )
   return found.stats
+
+
+def tokens_seen(state: Any) -> jax.Array:
+  """The tokens behind every update emitted since ``init``.
+
+  The sum, over the updates :func:`optax_accum.accumulate` has emitted, of
+  the token counts their means divided by: the ``num_tokens`` of the kept
+  micro-steps, over every device with ``axis_name``. Micro-steps dropped by
+  ``skip_nonfinite`` or ``should_skip`` do not count, nor do those of the
+  current, unfinished cycle; with ``equal_weights=True`` (no
+  ``num_tokens``) each kept micro-step counts 1. It is part of the state, so
+  it is saved and restored with it: a schedule or a log stated in tokens
+  resumes where it stopped.
+
+  Args:
+    state: an :class:`AccumulateState`, or an optimizer state containing one.
+
+  Returns:
+    A float32 scalar, the same on every device. It is a compensated
+    (Kahan) sum: exact for integer counts up to about ``2**24`` tokens,
+    and within a float32 rounding of the total beyond.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_accum as oa
+    >>> tx = oa.accumulate(optax.sgd(0.1), every_k=2)
+    >>> params = {'w': jnp.zeros(3)}
+    >>> state = tx.init(params)
+    >>> for n in (3, 4, 5):  # one update of 3 + 4 tokens, then a micro-step
+    ...   _, state = tx.update({'w': jnp.ones(3)}, state, params, num_tokens=n)
+    >>> oa.tokens_seen(state)
+    Array(7., dtype=float32)
+  """
+  return first_state(state, "state").tokens_seen
