@@ -146,7 +146,8 @@ def _typed_problem(global_array):
     whole = multihost_utils.process_allgather(grads, tiled=True)
   return {
       "loss": float(np.asarray(loss.addressable_data(0))),
-      "grads": jax.tree.map(lambda x: np.asarray(x).tolist(), whole),
+      # The leaves in tree order (JSON has no pytrees).
+      "grads": [np.asarray(x).tolist() for x in jax.tree.leaves(whole)],
       "reductions": _reductions(compiled, mesh, ("data",)),
   }
 

@@ -380,8 +380,22 @@ def test_value_and_grad_in_shard_map_equals_one_device():
       in_specs=(P(), P("data")), out_specs=P()))
   _, _, stats = sharded(params, batch)
   helpers.assert_trees_close(stats, expected, rtol=1e-5)
-  with jax.set_mesh(_mesh(AxisType.Explicit)):
+  with jax.set_mesh(_mesh(AxisType.Auto)):  # the same: each device's slice.
     _, _, stats = jax.jit(_value_and_grad(K, axis_name="data"))(
+        jax.device_put(params, P()), jax.device_put(batch, P("data")))
+  helpers.assert_trees_close(stats, expected, rtol=1e-5)
+
+
+def test_value_and_grad_with_explicit_axes_equals_one_device():
+  """Explicit axes: the small batches are the K global micro-batches, each
+  the i-th block of every device's rows."""
+  batch, params = _data(), _params()
+  blocked = jax.tree.map(
+      lambda x: x.reshape((N, K, -1) + x.shape[1:]).swapaxes(0, 1).reshape(
+          x.shape), batch)
+  _, _, expected = jax.jit(_value_and_grad(K))(params, blocked)
+  with jax.set_mesh(_mesh(AxisType.Explicit)):
+    _, _, stats = jax.jit(_value_and_grad(K))(
         jax.device_put(params, P()), jax.device_put(batch, P("data")))
   helpers.assert_trees_close(stats, expected, rtol=1e-5)
 
@@ -440,8 +454,9 @@ def test_with_stats_adds_only_scalars_to_the_one_reduction(under):
       compiled = jax.jit(jax.shard_map(
           fn, mesh=_mesh(), in_specs=(P(), P("data")), out_specs=P()
       )).lower(params, batch).compile()
-    else:
-      with jax.set_mesh(_mesh(AxisType.Explicit)):
+    else:  # Auto axes (with Explicit ones, each micro-batch's gradient is
+      # reduced for its norm: docs/noise_scale.md).
+      with jax.set_mesh(_mesh(AxisType.Auto)):
         compiled = jax.jit(fn).lower(
             jax.device_put(params, P()),
             jax.device_put(batch, P("data"))).compile()

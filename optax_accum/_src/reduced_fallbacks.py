@@ -295,7 +295,8 @@ def sharding_report(fn: Callable[..., Any], *args: Any,
     >>> import jax.numpy as jnp
     >>> from jax.sharding import AxisType, PartitionSpec as P
     >>> import optax_accum as oa
-    >>> mesh = jax.make_mesh((1,), ('data',), axis_types=(AxisType.Explicit,))
+    >>> mesh = jax.make_mesh((2,), ('data',), axis_types=(AxisType.Explicit,),
+    ...                      devices=jax.devices()[:2])
     >>> def loss_fn(params, mb):
     ...   h = jnp.einsum('bi,io->bo', mb['x'], params['w'],
     ...                  out_sharding=P('data', None))
