@@ -29,7 +29,11 @@ def loss_fn(params, batch):
   """Mean squared error over the unmasked tokens of ``batch``."""
   hidden = jnp.tanh(batch["x"] @ params["w1"])
   # Sums over "model" (the model's own collective); out_sharding says where
-  # the sum goes, which Explicit axes require.
-  pred = jnp.einsum("bsh,h->bs", hidden, params["w2"], out_sharding=P())
+  # the sum goes, which Explicit axes require: with the batch's rows (over
+  # "data" with Explicit axes, where loss_fn sees the global batch; nowhere
+  # with Auto ones, where it sees one device's slice).
+  rows = jax.typeof(batch["y"]).sharding.spec
+  pred = jnp.einsum("bsh,h->bs", hidden, params["w2"],
+                    out_sharding=P(*rows) if rows else P())
   errors = batch["mask"] * (pred - batch["y"]) ** 2
   return errors.sum() / batch["mask"].sum()

@@ -90,12 +90,15 @@ def run_on_mesh(args, tx, batch) -> dict[str, Any]:
       first_grads = first_grads or grads
   return {
       "losses": losses, "first_grads": first_grads, "params": params,
-      "collectives": oa.count_collectives(compiled),
+      # The gradient-sized collectives (with Explicit axes the loss's and
+      # token count's scalars are summed over "data" in each micro-batch).
+      "collectives": oa.count_collectives(compiled, include_scalars=False),
       "collectives_by_axis": oa.count_collectives(
-          compiled, mesh=mesh).by_axes,
-      "naive_collectives": oa.count_collectives(naive),
+          compiled, mesh=mesh, include_scalars=False).by_axes,
+      "naive_collectives": oa.count_collectives(
+          naive, include_scalars=False),
       "naive_collectives_by_axis": oa.count_collectives(
-          naive, mesh=mesh).by_axes,
+          naive, mesh=mesh, include_scalars=False).by_axes,
   }
 
 
@@ -105,7 +108,8 @@ def count_model_only(args, batch) -> oa.CollectiveCounts:
     return oa.count_collectives(jax.jit(
         lambda p, b: naive_value_and_grad(p, b, args.k)).lower(
             jax.device_put(model.init_params(args.seed), model.PARAM_SPECS),
-            jax.device_put(batch, P("data"))).compile())
+            jax.device_put(batch, P("data"))).compile(),
+                                include_scalars=False)
 
 
 def max_abs_diff(a, b) -> float:

@@ -66,6 +66,7 @@ def run(program: stages.Program, settings: Settings, params: Any,
             " (jax.device_put(batch, P('data')) under jax.set_mesh with"
             " Explicit axes) or give axis_name."
         )
+      _refuse_varying_batch(inputs.batch)
       partials = program.local(params, inputs, None)
       return program.finalize(partials, params, noise_scale.sq_norm)
     if form.kind == forms.TYPED:
@@ -77,6 +78,22 @@ def run(program: stages.Program, settings: Settings, params: Any,
                                         settings.axis_name):
         return on_device(program, settings, params, inputs)
     return over_mesh(program, settings, params, inputs)
+
+
+def _refuse_varying_batch(batch: Any) -> None:
+  """Without axis_name, a batch that differs by device (inside shard_map)
+  would be weighted by each device's tokens but summed by autodiff over all:
+  refused, naming the fix."""
+  varying = sorted(set().union(
+      *(axes.varying_axes(x) for x in jax.tree.leaves(batch))))
+  if varying:
+    name = varying[0] if len(varying) == 1 else tuple(varying)
+    raise ValueError(
+        f"The batch differs by device over the manual axes {varying} (inside"
+        " jax.shard_map or jax.pmap), but axis_name is None: pass"
+        f" axis_name={name!r}, so that the loop keeps each device's partial"
+        " sums and reduces them once, after it."
+    )
 
 
 def _layout(program, settings, params) -> fsdp.Layout:
