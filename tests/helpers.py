@@ -297,7 +297,14 @@ def _spanned_axes(group, mesh_shape, axis_names) -> tuple[str, ...]:
                if len(set(coords[:, i])) > 1)
 
 
-def loop_collectives_by_axes(compiled, mesh_shape, axis_names) -> dict:
+def _scalars_only(rest: str, op: re.Match) -> bool:
+  """Whether an instruction's result (before its opcode) is all scalars."""
+  return all(not dims for dims in re.findall(r"\w+\[([\d,]*)\]",
+                                             rest[:op.start()]))
+
+
+def loop_collectives_by_axes(compiled, mesh_shape, axis_names,
+                             include_scalars=True) -> dict:
   """``{(op, spanned mesh axes): count}`` of the collectives in while loops.
 
   ``op`` is "all-reduce", "reduce-scatter" or "all-gather"; the mesh axes
@@ -333,8 +340,9 @@ def loop_collectives_by_axes(compiled, mesh_shape, axis_names) -> dict:
   num_devices = int(np.prod(mesh_shape))
   for name in in_loop:
     for line in computations[name]:
-      op = _GROUP_OPS.search(line.split("=", 1)[-1])
-      if op is None:
+      rest = line.split("=", 1)[-1]
+      op = _GROUP_OPS.search(rest)
+      if op is None or (not include_scalars and _scalars_only(rest, op)):
         continue
       for group in _replica_groups(line, num_devices)[:1]:
         counts[op.group(1), _spanned_axes(group, mesh_shape,
