@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from optax_accum._src import hlo
 from optax_accum._src import sharding
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -357,7 +358,6 @@ def reduction_bytes(compiled, mesh, data_axes, min_bytes=64):
   ``data_axes`` and whose result has at least ``min_bytes`` (scalars, such
   as a loss or a token count, are left out): ``{"loop": ..., "out": ...}``.
   """
-  from optax_accum._src import hlo  # noqa: PLC0415: tests only.
   out = {"loop": 0, "out": 0}
   for c in hlo.collectives(compiled, mesh):
     if (c.collective in ("all-reduce", "reduce-scatter")

@@ -172,7 +172,9 @@ def test_rng_aux_state_grad_reduction_num_real_and_stats_are_exact():
       noise = jax.random.normal(rng, ())  # a key per micro-batch
       value = base(params, microbatch) * (1.0 + 0.01 * noise)
       tokens = microbatch["mask"].sum()
-      return value, (state + tokens, {"tokens": tokens, "value": value})
+      return value, (state + tokens, {
+          "tokens": tokens, "value": value, "low": value, "mean": value,
+          "rows": microbatch["mask"].sum(-1)})
 
     return loss
 
@@ -180,7 +182,8 @@ def test_rng_aux_state_grad_reduction_num_real_and_stats_are_exact():
     return oa.value_and_grad(
         make(cfg), num_microbatches=4, num_tokens_fn=tm.num_tokens,
         has_aux=True, has_state=True, with_stats=True,
-        aux_reduction={"tokens": "sum", "value": "max"},
+        aux_reduction={"tokens": "sum", "value": "max", "low": "min",
+                       "mean": "mean", "rows": "stack"},
         grad_reduction={**dict.fromkeys(tm.specs(cfg), "mean"),
                         "final_norm": "max"}, **kwargs)
 
