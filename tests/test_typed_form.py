@@ -319,3 +319,18 @@ def test_a_cast_that_xla_aborts_on_is_kept_replicated(tmp_path):
                        text=True, env=env, timeout=300, check=False)
   assert out.returncode == 0, out.stderr[-2000:]
   assert float(out.stdout.split()[-1]) < 1e-6  # the full batch's gradient.
+
+
+def test_with_the_positions_broadcast_no_gradient_is_reduced_in_the_loop():
+  """The same decoder, its positional add written for reduced types."""
+  cfg = MESHES["data_tensor"][2]._replace(pos_broadcast=True)
+  mesh = _mesh("data_tensor")
+  with jax.set_mesh(mesh):
+    params, batch = _placed(cfg)
+    step = jax.jit(_fn(cfg))
+    with reduced_fallbacks.collecting() as reports:
+      got = step(params, batch)
+    compiled = step.lower(params, batch).compile()
+  _close(got, _reference())
+  assert reports[-1].fallback_leaves == ()
+  assert helpers.reduction_bytes(compiled, mesh, ("data",))["loop"] == 0

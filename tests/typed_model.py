@@ -29,6 +29,9 @@ class Config(NamedTuple):
   batch_axes: tuple[str, ...] = ("data",)  # the axes the batch is split on.
   fsdp: str | None = None  # the axis weights are sharded over (FSDP), if any.
   tensor: str | None = None  # the tensor-parallel axis, if any.
+  # The positional embedding broadcast to the activations' sharding before
+  # the add, so that JAX types it reduced too (no leaf kept replicated).
+  pos_broadcast: bool = False
 
 
 def specs(cfg: Config) -> dict[str, Any]:
@@ -131,7 +134,12 @@ def loss_fn(cfg: Config):
   def loss(params, microbatch):
     ids = microbatch["ids"]
     x = params["embed"].at[ids].get(out_sharding=_act(cfg, None, None))
-    x = x + params["pos"]  # elementwise: JAX cannot type pos reduced.
+    if cfg.pos_broadcast and cfg.batch_axes:
+      x = x + jax.lax.broadcast_in_dim(
+          params["pos"], x.shape, (1, 2),
+          out_sharding=jax.typeof(x).sharding.spec)
+    else:
+      x = x + params["pos"]  # elementwise: JAX cannot type pos reduced.
     for w in params["layers"]:
       x = _block(cfg, x, w)
     x = _rms_norm(cfg, x, params["final_norm"])

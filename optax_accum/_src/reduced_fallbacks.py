@@ -35,11 +35,12 @@ import jax.numpy as jnp
 # written so that JAX types it reduced: an einsum whose output sharding
 # names the batch axes.
 EINSUM_HINT = (
-    "write its elementwise use as an einsum that names the batch axes in"
-    " out_sharding, e.g. x * scale as jnp.einsum('btd,d->btd', x, scale,"
-    " out_sharding=P('data', None, None)), and x + pos_embed as x +"
-    " jnp.einsum('td,b->btd', pos_embed, jnp.ones(x.shape[0], x.dtype),"
-    " out_sharding=P('data', None, None))"
+    "write its elementwise use so that JAX types it reduced: a scale as an"
+    " einsum that names the batch axes, jnp.einsum('btd,d->btd', x, scale,"
+    " out_sharding=P('data', None, None)); a bias or a positional embedding"
+    " broadcast to the activations' sharding first, x +"
+    " jax.lax.broadcast_in_dim(bias, x.shape, (x.ndim - 1,),"
+    " out_sharding=jax.typeof(x).sharding.spec)"
 )
 
 
