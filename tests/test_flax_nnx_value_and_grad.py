@@ -180,3 +180,38 @@ def test_nnx_recipe_on_an_auto_mesh(axis_name):
                              rtol=1e-5, atol=1e-6)
   assert int(new_state["dropout"]["rngs"]["count"][...]) == int(
       expected_state["dropout"]["rngs"]["count"][...])
+
+
+@pytest.mark.parametrize("axis_name", [None, "data"])
+def test_nnx_recipe_on_an_explicit_mesh(axis_name):
+  """docs/flax.md's recipe in the typed form (Explicit axes under jit).
+
+  loss_fn sees a global micro-batch, the i-th block of each device's rows,
+  with the key fold_in(rng, i): the same as one device running those
+  micro-batches, BatchNorm statistics and the Rngs counter included.
+  """
+  model, nnx_loss = _recipe()
+  _, params, model_state = nnx.split(model, nnx.Param, ...)
+  batch = _batch_of(64)
+  rng = jax.random.key(1)
+  grad_fn = jax.jit(oa.value_and_grad(
+      nnx_loss, num_microbatches=K, has_state=True, equal_weights=True,
+      axis_name=axis_name))
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    (loss, new_state), grads = grad_fn(
+        params, model_state, jax.device_put(batch, jax.sharding.PartitionSpec("data")), rng=rng)
+
+  blocked = jax.tree.map(
+      lambda x: x.reshape(8, K, -1, *x.shape[1:]).swapaxes(0, 1).reshape(
+          x.shape), batch)
+  keys = [microbatch_rng.key_for(rng, i) for i in range(K)]
+  step = jax.jit(jax.value_and_grad(nnx_loss, has_aux=True))
+  expected_loss, expected_grads, expected_state = _by_hand(
+      step, params, model_state, blocked, keys)
+  np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+  helpers.assert_trees_close(grads, expected_grads, rtol=1e-4, atol=1e-6)
+  helpers.assert_trees_close(new_state["norm"], expected_state["norm"],
+                             rtol=1e-5, atol=1e-6)
+  assert int(new_state["dropout"]["rngs"]["count"][...]) == int(
+      expected_state["dropout"]["rngs"]["count"][...])
