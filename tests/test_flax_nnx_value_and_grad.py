@@ -199,8 +199,8 @@ def test_nnx_recipe_on_an_explicit_mesh(axis_name):
       axis_name=axis_name))
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
   with jax.set_mesh(mesh):
-    (loss, new_state), grads = grad_fn(
-        params, model_state, jax.device_put(batch, jax.sharding.PartitionSpec("data")), rng=rng)
+    sharded = jax.device_put(batch, jax.sharding.PartitionSpec("data"))
+    (loss, new_state), grads = grad_fn(params, model_state, sharded, rng=rng)
 
   blocked = jax.tree.map(
       lambda x: x.reshape(8, K, -1, *x.shape[1:]).swapaxes(0, 1).reshape(
