@@ -143,6 +143,33 @@ def _devices_by_hand(step, params, model_state, batch, rng, num_devices):
       jax.tree.map(mean, *[s["norm"] for s in states]), states[0]
 
 
+def _recipe_on_mesh(axis_type, axis_name, batch, rng):
+  """The recipe's value_and_grad under jit on 8 devices: its inputs, the
+  one-device step to check it against, and what it returned."""
+  model, nnx_loss = _recipe()
+  _, params, model_state = nnx.split(model, nnx.Param, ...)
+  grad_fn = jax.jit(oa.value_and_grad(
+      nnx_loss, num_microbatches=K, has_state=True, equal_weights=True,
+      axis_name=axis_name))
+  with jax.set_mesh(jax.make_mesh((8,), ("data",), axis_types=(axis_type,))):
+    if axis_type == AxisType.Explicit:
+      batch = jax.device_put(batch, jax.sharding.PartitionSpec("data"))
+    out = grad_fn(params, model_state, batch, rng=rng)
+  step = jax.jit(jax.value_and_grad(nnx_loss, has_aux=True))
+  return params, model_state, step, out
+
+
+def _assert_matches(out, expected_loss, expected_grads, expected_norm,
+                    expected_state):
+  (loss, new_state), grads = out
+  np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+  helpers.assert_trees_close(grads, expected_grads, rtol=1e-4, atol=1e-6)
+  helpers.assert_trees_close(new_state["norm"], expected_norm,
+                             rtol=1e-5, atol=1e-6)
+  assert int(new_state["dropout"]["rngs"]["count"][...]) == int(
+      expected_state["dropout"]["rngs"]["count"][...])
+
+
 @pytest.mark.parametrize("axis_name", [None, "data"])
 def test_nnx_recipe_on_an_auto_mesh(axis_name):
   """docs/flax.md's recipe under jit on 8 devices (issue 28).
@@ -150,18 +177,9 @@ def test_nnx_recipe_on_an_auto_mesh(axis_name):
   With ``axis_name`` the loss's new Rngs counter is invariant while the
   carried one is device-local: the scan refused the carry's type.
   """
-  model, nnx_loss = _recipe()
-  _, params, model_state = nnx.split(model, nnx.Param, ...)
-  batch = _batch_of(64)
-  rng = jax.random.key(1)
-  grad_fn = jax.jit(oa.value_and_grad(
-      nnx_loss, num_microbatches=K, has_state=True, equal_weights=True,
-      axis_name=axis_name))
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-  with jax.set_mesh(mesh):
-    (loss, new_state), grads = grad_fn(params, model_state, batch, rng=rng)
-
-  step = jax.jit(jax.value_and_grad(nnx_loss, has_aux=True))
+  batch, rng = _batch_of(64), jax.random.key(1)
+  params, model_state, step, out = _recipe_on_mesh(
+      AxisType.Auto, axis_name, batch, rng)
   if axis_name is None:
     # Auto axes may shard the batch: micro-batch i holds rows i, i + K, ...
     strided = jax.tree.map(
@@ -174,12 +192,8 @@ def test_nnx_recipe_on_an_auto_mesh(axis_name):
   else:
     expected_loss, expected_grads, expected_norm, expected_state = (
         _devices_by_hand(step, params, model_state, batch, rng, 8))
-  np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
-  helpers.assert_trees_close(grads, expected_grads, rtol=1e-4, atol=1e-6)
-  helpers.assert_trees_close(new_state["norm"], expected_norm,
-                             rtol=1e-5, atol=1e-6)
-  assert int(new_state["dropout"]["rngs"]["count"][...]) == int(
-      expected_state["dropout"]["rngs"]["count"][...])
+  _assert_matches(out, expected_loss, expected_grads, expected_norm,
+                  expected_state)
 
 
 @pytest.mark.parametrize("axis_name", [None, "data"])
@@ -190,28 +204,14 @@ def test_nnx_recipe_on_an_explicit_mesh(axis_name):
   with the key fold_in(rng, i): the same as one device running those
   micro-batches, BatchNorm statistics and the Rngs counter included.
   """
-  model, nnx_loss = _recipe()
-  _, params, model_state = nnx.split(model, nnx.Param, ...)
-  batch = _batch_of(64)
-  rng = jax.random.key(1)
-  grad_fn = jax.jit(oa.value_and_grad(
-      nnx_loss, num_microbatches=K, has_state=True, equal_weights=True,
-      axis_name=axis_name))
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
-  with jax.set_mesh(mesh):
-    sharded = jax.device_put(batch, jax.sharding.PartitionSpec("data"))
-    (loss, new_state), grads = grad_fn(params, model_state, sharded, rng=rng)
-
+  batch, rng = _batch_of(64), jax.random.key(1)
+  params, model_state, step, out = _recipe_on_mesh(
+      AxisType.Explicit, axis_name, batch, rng)
   blocked = jax.tree.map(
       lambda x: x.reshape(8, K, -1, *x.shape[1:]).swapaxes(0, 1).reshape(
           x.shape), batch)
   keys = [microbatch_rng.key_for(rng, i) for i in range(K)]
-  step = jax.jit(jax.value_and_grad(nnx_loss, has_aux=True))
   expected_loss, expected_grads, expected_state = _by_hand(
       step, params, model_state, blocked, keys)
-  np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
-  helpers.assert_trees_close(grads, expected_grads, rtol=1e-4, atol=1e-6)
-  helpers.assert_trees_close(new_state["norm"], expected_state["norm"],
-                             rtol=1e-5, atol=1e-6)
-  assert int(new_state["dropout"]["rngs"]["count"][...]) == int(
-      expected_state["dropout"]["rngs"]["count"][...])
+  _assert_matches(out, expected_loss, expected_grads, expected_state["norm"],
+                  expected_state)

@@ -119,7 +119,7 @@ def _local(c: _Coupled, params, inputs, lay) -> stages.Partials:
   )
   cotangents = out.cotangents
   if sharded_like is not None:
-    cotangents = [jax.sharding.reshard(t, typed_layout.full_spec(r))
+    cotangents = [jax.sharding.reshard(t, sharding.full_spec(r))
                   for t, r in zip(cotangents, sharded_like)]
   if axis_name is not None:
     cotangents = _over_rows(

@@ -31,6 +31,8 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from optax_accum._src import sharding
+
 # How a parameter used elementwise with batch-sharded activations can be
 # written so that JAX types it reduced: an einsum whose output sharding
 # names the batch axes.
@@ -95,7 +97,7 @@ class UnsafeCast(TypeError):
 
 def _partitions(aval: Any) -> tuple[Any, ...]:
   spec = getattr(getattr(aval, "sharding", None), "spec", None)
-  return tuple(getattr(spec, "partitions", None) or ())
+  return () if spec is None else sharding.partitions(spec)
 
 
 def _unreduced(aval: Any) -> frozenset[str]:

@@ -32,6 +32,23 @@ def explicit_spec(x: Any) -> P | None:
   return None
 
 
+def partitions(spec: P) -> tuple[Any, ...]:
+  """A spec's entries, without its reduced/unreduced sets.
+
+  ``*spec`` is refused once a spec has unreduced or reduced axes.
+  """
+  return tuple(getattr(spec, "partitions", None)
+               or getattr(spec, "_partitions", ()))
+
+
+def full_spec(x: Any) -> P:
+  """``x``'s whole spec read off its type, reduced and unreduced sets
+  included (``P()`` without one)."""
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  spec = getattr(getattr(aval, "sharding", None), "spec", None)
+  return P() if spec is None else spec
+
+
 def entry(names: tuple[str, ...]) -> Any:
   """A spec entry for ``names``: None, one name, or a tuple of names."""
   return None if not names else names[0] if len(names) == 1 else names

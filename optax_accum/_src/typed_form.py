@@ -33,6 +33,7 @@ from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import loss_signature
 from optax_accum._src import noise_scale
 from optax_accum._src import reduced_fallbacks
+from optax_accum._src import sharding
 from optax_accum._src import stages
 from optax_accum._src import typed_layout
 
@@ -41,8 +42,8 @@ def _laid_out(x: Any, axis: int | None, axis_name: axes.AxisName) -> Any:
   """A batch leaf sharded over the data axes along ``axis`` (free)."""
   if axis is None:
     return x
-  spec = typed_layout.full_spec(x)
-  entries = list(typed_layout.partitions(spec))
+  spec = sharding.full_spec(x)
+  entries = list(sharding.partitions(spec))
   entries += [None] * (jnp.ndim(x) - len(entries))
   if entries[axis] is not None:
     return x  # forms.detect checked that these are the data axes.
@@ -61,7 +62,7 @@ def _targets(params: Any, param_specs: Any,
         fsdp.specs_like(params, param_specs, axis_name),
         is_leaf=lambda x: isinstance(x, P))
   return [
-      typed_layout.merged_spec(typed_layout.full_spec(p), d, axis_name,
+      typed_layout.merged_spec(sharding.full_spec(p), d, axis_name,
                                jnp.ndim(p))
       for p, d in zip(leaves, data_specs)
   ]

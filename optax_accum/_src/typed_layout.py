@@ -55,27 +55,15 @@ class Layout(NamedTuple):
   policy: fsdp.Policy
 
 
-def partitions(spec: P) -> tuple[Any, ...]:
-  """A spec's entries, without its reduced/unreduced sets."""
-  return tuple(getattr(spec, "partitions", None)
-               or getattr(spec, "_partitions", ()))
-
-
-def full_spec(x: Any) -> P:
-  """``x``'s spec read off its type (``P()`` without an Explicit one)."""
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  spec = getattr(getattr(aval, "sharding", None), "spec", None)
-  return P() if spec is None else spec
-
-
 def _entries(spec: P, ndim: int) -> list[Any]:
-  entries = list(partitions(spec))
+  entries = list(sharding.partitions(spec))
   return entries + [None] * (ndim - len(entries))
 
 
 def data_axes_in(spec: P, axis_name: axes.AxisName) -> tuple[str, ...]:
   """The data axes that shard a dimension of ``spec``, in mesh order."""
-  used = {n for e in partitions(spec) if e is not None for n in axes.axes_of(e)}
+  used = {n for e in sharding.partitions(spec) if e is not None
+          for n in axes.axes_of(e)}
   return tuple(a for a in axes.axes_of(axis_name) if a in used)
 
 
@@ -133,7 +121,7 @@ def _syncs_in_loop(lay: Layout, i: int) -> bool:
 def _unreduced_over_rest(lay: Layout, i: int) -> P:
   """Sharded like the parameter, unreduced over the other data axes."""
   rest = _data(lay) - set(data_axes_in(lay.targets[i], lay.axis_name))
-  return P(*partitions(lay.targets[i]), unreduced=rest)
+  return P(*sharding.partitions(lay.targets[i]), unreduced=rest)
 
 
 def sum_spec(lay: Layout, i: int, ndim: int) -> P:
@@ -199,7 +187,7 @@ def _as_partial(g: Any, spec: P) -> Any:
   A gradient that JAX already reduced (of a parameter the loss does not
   use) is cast: its value on one device, zeros on the others.
   """
-  if full_spec(g) == spec:
+  if sharding.full_spec(g) == spec:
     return g
   return cast_unreduced(g, spec)
 
@@ -210,8 +198,8 @@ def cast_unreduced(x: Any, spec: P) -> Any:
   One reshard that changes both aborts XLA (see
   :func:`reduced_fallbacks.check_casts`).
   """
-  plain = P(*partitions(spec))
-  if partitions(full_spec(x)) != partitions(spec):
+  plain = P(*sharding.partitions(spec))
+  if sharding.partitions(sharding.full_spec(x)) != sharding.partitions(spec):
     x = jax.sharding.reshard(x, plain)
   return jax.sharding.reshard(x, spec)
 
@@ -220,7 +208,7 @@ def gathered(lay: Layout, tree: Any) -> Any:
   """``tree`` replicated over the data axes (its model axes kept)."""
   names = axes.axes_of(lay.axis_name)
   return jax.tree.map(lambda x: jax.sharding.reshard(
-      x, P(*_drop(full_spec(x), names, jnp.ndim(x)))), tree)
+      x, P(*_drop(sharding.full_spec(x), names, jnp.ndim(x)))), tree)
 
 
 def replicated(lay: Layout, held: Any) -> Any:
@@ -268,7 +256,8 @@ def _weighted_add(grads: list[Any], sums: list[Any],
 
 def _data_of(partials: list[Any]) -> frozenset[str]:
   return frozenset().union(
-      *(getattr(full_spec(g), "unreduced", frozenset()) for g in partials))
+      *(getattr(sharding.full_spec(g), "unreduced", frozenset())
+        for g in partials))
 
 
 def add_grads(lay: Layout, total: Any, grads: Any,
@@ -292,14 +281,15 @@ def add_grads(lay: Layout, total: Any, grads: Any,
     g = _as_partial(g, sum_spec(lay, i, jnp.ndim(g)) if not
                     _syncs_in_loop(lay, i) else _whole_partial(lay, i, g))
     base = s if not _syncs_in_loop(lay, i) else jnp.zeros(
-        jnp.shape(g), s.dtype, out_sharding=full_spec(g))
+        jnp.shape(g), s.dtype, out_sharding=sharding.full_spec(g))
     local.append((i, g, base))
   if local:
     new = _weighted_add([g for _, g, _ in local], [b for _, _, b in local],
                         c)
     for (i, _, _), value in zip(local, new):
       if _syncs_in_loop(lay, i):
-        value = sums[i] + jax.sharding.reshard(value, full_spec(sums[i]))
+        value = sums[i] + jax.sharding.reshard(
+            value, sharding.full_spec(sums[i]))
       out[i] = value
   return lay.treedef.unflatten(out)
 

@@ -125,18 +125,6 @@ def _slot_spec(slots: Any) -> P:
   return spec
 
 
-def _partitions(spec: P) -> tuple[Any, ...]:
-  """A spec's entries (``*spec`` is refused once it has unreduced axes)."""
-  return tuple(getattr(spec, "partitions", None)
-               or getattr(spec, "_partitions", ()))
-
-
-def _full_spec(x: Any) -> P:
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  spec = getattr(getattr(aval, "sharding", None), "spec", None)
-  return P() if spec is None else spec
-
-
 def check_grads(grads: Any, grad_sum: Any, axis_name: axes.AxisName,
                 looked_at: bool) -> None:
   """Each gradient must be unreduced over exactly its slots' axes.
@@ -181,7 +169,7 @@ def summed_like(grads: Any) -> Any:
   return jax.tree.map(
       lambda g: jax.ShapeDtypeStruct(
           jnp.shape(g), jnp.result_type(g),
-          sharding=P(*_partitions(_full_spec(g)))),
+          sharding=P(*sharding.partitions(sharding.full_spec(g)))),
       grads,
   )
 
@@ -204,7 +192,7 @@ def run_local(fn: Any, args: tuple[Any, ...], out_specs: Any) -> Any:
 
 def local_specs(tree: Any) -> Any:
   """The specs of a tree's leaves, read off their types, for shard_map."""
-  return jax.tree.map(_full_spec, tree)
+  return jax.tree.map(sharding.full_spec, tree)
 
 
 def is_first_device(axis_name: axes.AxisName) -> jax.Array:
@@ -236,6 +224,6 @@ def sum_slots(slots: Any) -> Any:
     return slots.reshape(slots.shape[1:])
   unreduced = run_local(
       lambda s: s.reshape(s.shape[1:]), (slots,),
-      P(*_partitions(rest), unreduced=over),
+      P(*sharding.partitions(rest), unreduced=over),
   )
   return jax.sharding.reshard(unreduced, rest)
