@@ -28,6 +28,7 @@ import pytest
 import helpers
 import optax_accum as oa
 from optax_accum._src import reduced_fallbacks
+from optax_accum._src import sharding
 import typed_model as tm
 
 pytestmark = pytest.mark.skipif(
@@ -91,8 +92,9 @@ def test_a_cookbook_style_model_is_exact_and_reduces_after_the_loop(name):
   pos_bytes = tm.init(tm.Config())["pos"].size * 4
   ours = helpers.reduction_bytes(compiled, mesh, cfg.batch_axes)
   whole = helpers.reduction_bytes(full_compiled, mesh, cfg.batch_axes)
-  # The fallback leaf only (XLA may fuse a scalar or two into its reduction).
-  assert pos_bytes <= ours["loop"] < pos_bytes + 64
+  # The fallback leaf only (XLA may fuse a scalar or two into its reduction,
+  # or, jax 0.9, reduce it in halves over a 2-device model axis).
+  assert pos_bytes // 2 <= ours["loop"] < pos_bytes + 64
   assert ours["out"] + pos_bytes <= 1.05 * whole["out"]
   if cfg.tensor:  # nothing gathered over "tensor" beyond the model's own.
     by_axes = oa.count_collectives(compiled, mesh=mesh).by_axes
@@ -218,7 +220,8 @@ def test_deferred_is_unreduced_over_data_on_a_mesh_with_model_axes():
             for g in jax.tree.leaves(grads)} == {frozenset({"data"})}
     summed = jax.jit(lambda g: jax.tree.map(
         lambda x: jax.sharding.reshard(
-            x, P(*jax.typeof(x).sharding.spec.partitions)), g))(grads)
+            x, P(*sharding.partitions(jax.typeof(x).sharding.spec))), g))(
+                grads)
   _close((loss, summed), _reference())
 
 
@@ -227,8 +230,10 @@ def test_sharding_report_names_the_fallback_leaf_and_its_share():
   with jax.set_mesh(_mesh("data_tensor")):
     params, batch = _placed(cfg)
     report = oa.sharding_report(jax.jit(_fn(cfg)), params, batch)
-    with pytest.raises(ValueError, match="traced no typed micro-batch loop"):
-      oa.sharding_report(_fn(cfg), *jax.tree.map(np.asarray, (params, batch)))
+  one_device = oa.value_and_grad(lambda w, x: jnp.mean(w * x),
+                                 num_microbatches=2, equal_weights=True)
+  with pytest.raises(ValueError, match="traced no typed micro-batch loop"):
+    oa.sharding_report(one_device, jnp.float32(1.0), jnp.ones(4))
   total = sum(x.size * 4 for x in jax.tree.leaves(tm.init(tm.Config())))
   assert report.fallback_leaves == ("params['pos']",)
   assert report.fallback_share == pytest.approx(

@@ -169,19 +169,19 @@ def mean(total: Any, token_count: jax.Array, like: Any) -> Any:
   """The running sum divided by the count, cast leaf by leaf like ``like``.
 
   A count of zero gives zeros (no 0/0); a NaN count gives NaN. A sum typed
-  unreduced (each device's partial) is multiplied by the reciprocal: JAX
-  has no unreduced rule for division.
+  unreduced (each device's partial) is divided on each device: JAX has no
+  unreduced rule for division.
   """
   safe_count = jnp.where(token_count == 0, jnp.ones_like(token_count),
                          token_count)
 
   def divide(s, x):
-    over = unreduced_sums.unreduced_axes(s)
-    if not over:
-      return (s / safe_count.astype(s.dtype)).astype(jnp.result_type(x))
-    # Times the reciprocal cast to reduced: JAX types that, not a division.
-    reciprocal = jax.sharding.reshard(
-        1 / safe_count, jax.sharding.PartitionSpec(reduced=over))
-    return (s * reciprocal.astype(s.dtype)).astype(jnp.result_type(x))
+    def local(s, count):
+      return (s / count.astype(s.dtype)).astype(jnp.result_type(x))
+
+    if not unreduced_sums.unreduced_axes(s):
+      return local(s, safe_count)
+    return unreduced_sums.run_local(
+        local, (s, safe_count), unreduced_sums.local_specs(s))
 
   return jax.tree.map(divide, total, like)

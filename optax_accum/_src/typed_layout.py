@@ -27,8 +27,9 @@ loop calls either through one :class:`Layout`. Per parameter leaf:
   loop, for each micro-batch; their sum is an ordinary replicated array.
 
 JAX refuses arithmetic between an unreduced array and a replicated scalar,
-and has no unreduced rule for ``where``: the weight is cast to ``reduced``
-and a micro-batch that is not kept is skipped by a ``lax.cond``.
+and has no unreduced rule for ``where``: the weighted add runs on each
+device's own blocks in a :func:`jax.shard_map` over every mesh axis
+(:func:`unreduced_sums.run_local`), where a partial is a plain array.
 """
 
 from typing import Any, NamedTuple
@@ -43,6 +44,7 @@ from optax_accum._src import fsdp
 from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import sharding
 from optax_accum._src import token_weighting
+from optax_accum._src import unreduced_sums
 
 
 class Layout(NamedTuple):
@@ -193,15 +195,24 @@ def _as_partial(g: Any, spec: P) -> Any:
 
 
 def cast_unreduced(x: Any, spec: P) -> Any:
-  """``x`` resharded to ``spec``: its partitions first, then the cast.
+  """A value the same on every device, typed ``spec`` (unreduced): its
+  partitions first, then each device's partial, the value on the first
+  device of the unreduced axes and zeros on the others.
 
-  One reshard that changes both aborts XLA (see
-  :func:`reduced_fallbacks.check_casts`).
+  Written out on each device's blocks: one reshard that changes both
+  aborts XLA (see :func:`reduced_fallbacks.check_casts`), and jax 0.9's
+  reshard to unreduced kept the value on every device.
   """
   plain = P(*sharding.partitions(spec))
   if sharding.partitions(sharding.full_spec(x)) != sharding.partitions(spec):
     x = jax.sharding.reshard(x, plain)
-  return jax.sharding.reshard(x, spec)
+  over = tuple(sorted(spec.unreduced))
+
+  def partial(v):
+    first = unreduced_sums.is_first_device(over)
+    return jnp.where(first, v, jnp.zeros_like(v))
+
+  return unreduced_sums.run_local(partial, (x,), spec)
 
 
 def gathered(lay: Layout, tree: Any) -> Any:
@@ -233,31 +244,22 @@ def as_sums(lay: Layout, grads: Any) -> Any:
 
 def _weighted_add(grads: list[Any], sums: list[Any],
                   c: token_weighting.Contribution) -> list[Any]:
-  """``sum + weight * g`` on unreduced partials, or the sums as they are.
+  """``sum + weight * g`` on each device's own partials, in one shard_map.
 
-  In the types JAX checks: the weight is cast to ``reduced`` (a replicated
-  scalar times an unreduced array is refused), and a micro-batch that is
-  not kept is skipped by a ``lax.cond`` (JAX has no unreduced ``where``), so
-  that its partials are never looked at. (A :func:`jax.shard_map` over the
-  partials with the weight as an operand is not used: on partials that
-  autodiff typed unreduced, XLA then counted them once per device.)
+  JAX types neither a replicated weight times an unreduced array nor
+  ``where`` on one (and jax 0.9 not even a reduced weight times one), so
+  each device weighs its own partial as a plain array: a micro-batch that
+  is not kept adds zeros, its partials never looked at.
   """
   if not grads:
     return []
-  data = _data_of(grads)
-  weight = jax.sharding.reshard(c.weight, P(reduced=data))
 
-  def add(sums, grads):
-    return [s + weight.astype(s.dtype) * g.astype(s.dtype)
-            for s, g in zip(sums, grads)]
+  def local(grads, sums, c):
+    return [s + token_weighting.weighted(g, c, s.dtype)
+            for g, s in zip(grads, sums)]
 
-  return lax.cond(c.keep, add, lambda sums, grads: list(sums), sums, grads)
-
-
-def _data_of(partials: list[Any]) -> frozenset[str]:
-  return frozenset().union(
-      *(getattr(sharding.full_spec(g), "unreduced", frozenset())
-        for g in partials))
+  return unreduced_sums.run_local(
+      local, (grads, sums, c), [sharding.full_spec(s) for s in sums])
 
 
 def add_grads(lay: Layout, total: Any, grads: Any,
