@@ -119,4 +119,5 @@ def test_two_processes_run_the_typed_decoder_exactly(results):
         [np.asarray(g) for g in jax.tree.leaves(expected_grads)],
         rtol=2e-5, atol=2e-6)
     in_loop = sum(n for looped, n in typed["reductions"] if looped and n >= 64)
-    assert pos_bytes <= in_loop < pos_bytes + 64  # the fallback leaf only.
+    # The fallback leaf only (jax 0.9 reduces it in halves over "tensor").
+    assert pos_bytes // 2 <= in_loop < pos_bytes + 64
