@@ -172,25 +172,20 @@ def check_casts(jaxpr: Any) -> None:
         check_casts(sub)
 
 
-def _trace(attempt: Callable[[frozenset[int]], Any],
-           reduced: frozenset[int]) -> None:
-  """Traces ``attempt(reduced)`` without running it; checks its casts."""
+def check(attempt: Callable[[frozenset[int]], Any],
+          reduced: frozenset[int]) -> None:
+  """Traces ``attempt(reduced)`` without running it and checks its casts:
+  raises if it fails to trace or would not compile right."""
   check_casts(jax.make_jaxpr(lambda: attempt(reduced) and None)().jaxpr)
 
 
 def _traces(attempt: Callable[[frozenset[int]], Any],
             reduced: frozenset[int]) -> bool:
   try:
-    _trace(attempt, reduced)
+    check(attempt, reduced)
   except Exception:  # any refusal of the cast counts.
     return False
   return True
-
-
-def check(attempt: Callable[[frozenset[int]], Any],
-          reduced: frozenset[int]) -> None:
-  """Raises if ``attempt(reduced)`` fails to trace or would abort XLA."""
-  _trace(attempt, reduced)
 
 
 def find(attempt: Callable[[frozenset[int]], Any],
@@ -201,7 +196,7 @@ def find(attempt: Callable[[frozenset[int]], Any],
   Raises the loop's own error if it fails with none of them reduced.
   """
   if not _traces(attempt, frozenset()):
-    _trace(attempt, frozenset())  # raises the model's own error.
+    check(attempt, frozenset())  # raises the model's own error.
   bad: list[int] = []
   good_upto = 0  # candidates[:good_upto] minus bad trace together.
   while True:

@@ -132,8 +132,7 @@ def sum_spec(lay: Layout, i: int, ndim: int) -> P:
     return whole_spec(lay, i, ndim, reduced=False)
   if _syncs_in_loop(lay, i):
     return _unreduced_over_rest(lay, i)
-  entries = _drop(lay.targets[i], axes.axes_of(lay.axis_name), ndim)
-  return P(*entries, unreduced=_data(lay))
+  return _whole_partial(lay, i, ndim)
 
 
 def _leaves(lay: Layout, tree: Any) -> list[Any]:
@@ -280,8 +279,7 @@ def add_grads(lay: Layout, total: Any, grads: Any,
     if not lay.reduced[i]:
       out[i] = grad_reduction_lib.add(s, g, c, [rules[i]])
       continue
-    g = _as_partial(g, sum_spec(lay, i, jnp.ndim(g)) if not
-                    _syncs_in_loop(lay, i) else _whole_partial(lay, i, g))
+    g = _as_partial(g, _whole_partial(lay, i, jnp.ndim(g)))
     base = s if not _syncs_in_loop(lay, i) else jnp.zeros(
         jnp.shape(g), s.dtype, out_sharding=sharding.full_spec(g))
     local.append((i, g, base))
@@ -296,9 +294,9 @@ def add_grads(lay: Layout, total: Any, grads: Any,
   return lay.treedef.unflatten(out)
 
 
-def _whole_partial(lay: Layout, i: int, g: Any) -> P:
+def _whole_partial(lay: Layout, i: int, ndim: int) -> P:
   """A whole gradient's type: unreduced over every data axis."""
-  entries = _drop(lay.targets[i], axes.axes_of(lay.axis_name), jnp.ndim(g))
+  entries = _drop(lay.targets[i], axes.axes_of(lay.axis_name), ndim)
   return P(*entries, unreduced=_data(lay))
 
 
@@ -310,12 +308,16 @@ def finish(lay: Layout, total: Any) -> Any:
   others (a replicated sum is cast there, its value on one device).
   """
   deferred = lay.policy.gradient_sync == fsdp.DEFERRED
-  return lay.treedef.unflatten([
-      jax.sharding.reshard(s, lay.targets[i]) if not deferred
-      else jax.sharding.reshard(s, _unreduced_over_rest(lay, i))
-      if lay.reduced[i] else cast_unreduced(s, _unreduced_over_rest(lay, i))
-      for i, s in enumerate(_leaves(lay, total))
-  ])
+
+  def finished(i, s):
+    if not deferred:
+      return jax.sharding.reshard(s, lay.targets[i])
+    if lay.reduced[i]:  # a reduce-scatter over the axes that shard it.
+      return jax.sharding.reshard(s, _unreduced_over_rest(lay, i))
+    return cast_unreduced(s, _unreduced_over_rest(lay, i))
+
+  return lay.treedef.unflatten(
+      [finished(i, s) for i, s in enumerate(_leaves(lay, total))])
 
 
 def summed(lay: Layout, grads: Any) -> Any:
