@@ -10,6 +10,7 @@ from optax_accum._src.coupled import (
 from optax_accum._src.hlo import CollectiveCounts as CollectiveCounts
 from optax_accum._src.hlo import count_collectives as count_collectives
 from optax_accum._src.noise_scale import GradStats as GradStats
+from optax_accum._src.partition_specs import reduced_state as reduced_state
 from optax_accum._src.partition_specs import (
     state_partition_specs as state_partition_specs,
 )
@@ -44,6 +45,7 @@ __all__ = (
     "grad_stats",
     "has_updated",
     "plan_microbatches",
+    "reduced_state",
     "sharding_report",
     "state_partition_specs",
     "tokens_seen",

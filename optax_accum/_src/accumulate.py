@@ -8,10 +8,11 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
-from optax_accum._src import axes
+from optax_accum._src import accumulate_forms
 from optax_accum._src import emitting
 from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import incoming_grads
+from optax_accum._src import microstep
 from optax_accum._src import noise_scale
 from optax_accum._src import partial_sums
 from optax_accum._src import token_weighting
@@ -76,26 +77,10 @@ class AccumulateState(NamedTuple):
   tokens_seen_error: jax.Array  # shape=(), dtype=jnp.float32.
 
 
-_STATS_UNREDUCED = (
-    "with_stats=True cannot estimate the noise scale from unreduced"
-    " gradients (accumulate(axis_name=...) under jax.jit): it needs each"
-    " micro-step's reduced gradient norm, a gradient-sized reduction per"
-    " call. Use with_stats inside jax.shard_map with device-local gradients"
-    " and each device's own num_tokens, or oa.value_and_grad(...,"
-    " with_stats=True) without gradient_sync='deferred'."
-)
-
 # The fields of AccumulateState that hold per-device scalars under axis_name.
 PER_DEVICE_COUNTS = (
     "token_count", "nonfinite_count", "skipped_count", "stats_sums"
 )
-
-
-class _Drops(NamedTuple):
-  """Why a micro-step adds nothing."""
-
-  nonfinite: jax.Array  # shape=(), bool: dropped by skip_nonfinite.
-  skipped: jax.Array  # shape=(), bool: dropped by should_skip.
 
 
 def _cycle_length(
@@ -118,50 +103,7 @@ def _cycle_length(
   return jnp.maximum(length.astype(jnp.int32), 1)
 
 
-def _all_finite(tree: Any) -> jax.Array:
-  finite = jnp.bool_(True)
-  for leaf in jax.tree.leaves(tree):
-    finite &= jnp.all(jnp.isfinite(leaf))
-  return finite
-
-
-def _drops(updates, tokens, state, params, skip_nonfinite, should_skip):
-  """Whether ``skip_nonfinite`` and ``should_skip`` drop this micro-step."""
-  nonfinite = jnp.bool_(False)
-  if skip_nonfinite:
-    # A micro-step without tokens adds nothing whatever its gradient (often
-    # a 0/0 mean): it is not a dropped one.
-    bad_grads = ~_all_finite(updates) & (tokens != 0)
-    nonfinite = token_weighting.is_bad_count(tokens) | bad_grads
-  return _Drops(nonfinite=nonfinite,
-                skipped=_skipped(should_skip, updates, state, params))
-
-
-def _skipped(should_skip, updates, state, params):
-  """``should_skip``'s verdict, a bool scalar (False without one)."""
-  if should_skip is None:
-    return jnp.bool_(False)
-  return validation.check_predicate(
-      "should_skip(grads, state, params)", should_skip(updates, state, params)
-  )
-
-
-def _add_to_sum(grad_sum, updates, contribution, cycle_start, rules):
-  """The running sum after this micro-step, with the lazy reset.
-
-  The call that starts a cycle (``micro_step == 0``) adds to zeros instead of
-  to the stored sum, which still holds the finished cycle's. Zeroing the sum
-  in the emitting branch instead would make it an output of the
-  ``lax.cond``, which XLA cannot write in place: every accumulator (and, on
-  CPU, inner-state) buffer would then be copied on every micro-step. This way
-  a non-emitting call is one fused in-place pass over the sum, and the
-  conditional only reads it.
-  """
-  restarted = grad_reduction_lib.restart(grad_sum, rules, cycle_start)
-  return grad_reduction_lib.add(restarted, updates, contribution, rules)
-
-
-def _should_emit(emit, micro_step, length, axis_name):
+def _should_emit(emit, micro_step, length, layout):
   """The emit decision: the every_k rule OR the caller's ``emit``.
 
   ``emit`` can only end a cycle early, never hold one open: with
@@ -173,13 +115,8 @@ def _should_emit(emit, micro_step, length, axis_name):
   if emit is None:
     return by_count
   emit = validation.check_predicate("emit", emit)
-  if axis_name is not None:
-    validation.check_same_on_every_device("emit", emit, axis_name)
+  layout.check_emit(emit)
   return emit | by_count
-
-
-def _increment_where(flag, counter):
-  return jnp.where(flag, optax.safe_increment(counter), counter)
 
 
 def _zero_where(flag, tree):
@@ -193,15 +130,15 @@ def _compensated_add(total, error, x):
   return new_total, (new_total - total) - y
 
 
-def _next_state(state, micro_step, emit, step: "_MicroStep",
+def _next_state(state, micro_step, emit, step: microstep.MicroStep,
                 emitted: emitting.Emitted):
   cycle = step.cycle
   tokens_seen, tokens_seen_error = _compensated_add(
       state.tokens_seen, state.tokens_seen_error, emitted.tokens)
   return AccumulateState(
       micro_step=_zero_where(emit, micro_step),
-      count=_increment_where(emitted.updated, state.count),
-      grad_sum=cycle.grad_sum,  # reset lazily: see _add_to_sum.
+      count=microstep.increment_where(emitted.updated, state.count),
+      grad_sum=cycle.grad_sum,  # reset lazily: see microstep.add_to_sum.
       token_count=_zero_where(emit, cycle.token_count),
       inner_state=emitted.inner_state,
       emitted=emitted.updated,
@@ -214,145 +151,6 @@ def _next_state(state, micro_step, emit, step: "_MicroStep",
   )
 
 
-def _cycle_after(state, grads, contribution, loss_reduction,
-                 rules) -> emitting.Cycle:
-  """The running sums with this micro-step added."""
-  stats_sums = state.stats_sums
-  if stats_sums is not None:
-    stats_sums = noise_scale.add(
-        stats_sums, grad_reduction_lib.only_means(grads, rules), contribution,
-        loss_reduction)
-  return emitting.Cycle(
-      grad_sum=_add_to_sum(
-          state.grad_sum, grads, contribution, state.micro_step == 0, rules
-      ),
-      token_count=state.token_count + contribution.tokens,
-      stats_sums=stats_sums,
-  )
-
-
-def _check_deferred(updates, with_stats, grad_reduction) -> None:
-  """What unreduced gradients under jit cannot do, refused by name."""
-  if with_stats:
-    raise ValueError(_STATS_UNREDUCED)
-  leaf_rules = grad_reduction_lib.per_leaf(grad_reduction, updates)
-  if leaf_rules is not None and any(r != "mean" for r in leaf_rules):
-    raise ValueError(
-        f"grad_reduction={grad_reduction!r} with unreduced gradients under"
-        " jax.jit: a max over the devices' partial gradients is not the"
-        " max of their sum. Use grad_reduction='mean' there, or"
-        " accumulate inside jax.shard_map."
-    )
-
-
-class _Rules(NamedTuple):
-  """The settings a micro-step is added under."""
-
-  loss_reduction: str
-  axis_name: axes.AxisName | None
-  skip_nonfinite: bool
-  should_skip: Callable[[Any, Any, Any], Any] | None
-  grad_reduction: Any  # the checked grad_reduction: a prefix of the grads.
-
-
-class _MicroStep(NamedTuple):
-  """A micro-step added to the running sums, before the emit decision."""
-
-  grads: Any  # the incoming gradients, checked and floating.
-  leaf_rules: list[str] | None  # each leaf's rule; None: all "mean".
-  cycle: emitting.Cycle
-  nonfinite_count: jax.Array  # like state.nonfinite_count.
-  skipped_count: jax.Array  # like state.skipped_count.
-
-
-def _add_microstep(updates, state, params, num_tokens, tokens,
-                   rules) -> _MicroStep:
-  """Adds a micro-step's gradients: global, or device-local in shard_map.
-
-  ``num_tokens`` is the caller's; ``tokens`` its checked float32 count.
-  """
-  updates = incoming_grads.checked_grads(
-      updates, state.grad_sum, rules.axis_name, num_tokens
-  )
-  drops = _drops(updates, tokens, state, params, rules.skip_nonfinite,
-                 rules.should_skip)
-  contribution = token_weighting.contribution(
-      tokens, rules.loss_reduction, drop=drops.nonfinite | drops.skipped
-  )
-  leaf_rules = grad_reduction_lib.per_leaf(rules.grad_reduction, updates)
-  return _MicroStep(
-      grads=updates,
-      leaf_rules=leaf_rules,
-      cycle=_cycle_after(state, updates, contribution, rules.loss_reduction,
-                         leaf_rules),
-      nonfinite_count=_increment_where(drops.nonfinite, state.nonfinite_count),
-      skipped_count=_increment_where(drops.skipped, state.skipped_count),
-  )
-
-
-def _add_unreduced_microstep(updates, state, params, num_tokens, tokens,
-                             rules) -> _MicroStep:
-  """Adds a micro-step's unreduced gradients under jit (no communication).
-
-  Each device adds its own partial, weighted by the global ``num_tokens``,
-  to its slot; the token count and the drop counts, the same on every
-  device, go into device 0's slot only. The non-finite decision is global:
-  one scalar reduction. ``should_skip`` runs under jit on the unreduced
-  gradients and the state as they are.
-  """
-  updates = incoming_grads.checked_partials(
-      updates, state.grad_sum, rules.axis_name, num_tokens
-  )
-  skipped = _skipped_unreduced(rules.should_skip, updates, state, params)
-
-  def local(grads, sums, tokens, skipped, cycle_start):
-    nonfinite = jnp.bool_(False)
-    if rules.skip_nonfinite:
-      nonfinite = token_weighting.is_bad_count(tokens) | (
-          unreduced_sums.any_device(~_all_finite(grads) & (tokens != 0),
-                                    rules.axis_name))
-    c = token_weighting.contribution(
-        tokens, rules.loss_reduction, drop=nonfinite | skipped)
-    grad_sum, token_count, nonfinite_count, skipped_count = sums
-    own = lambda x: jnp.where(
-        unreduced_sums.is_first_device(rules.axis_name), x, 0)
-    return (_add_to_sum(grad_sum, grads, c, cycle_start, None),
-            token_count + own(c.tokens),
-            nonfinite_count + own(nonfinite.astype(jnp.int32)),
-            skipped_count + own(skipped.astype(jnp.int32)))
-
-  sums = (state.grad_sum, state.token_count, state.nonfinite_count,
-          state.skipped_count)
-  grad_sum, token_count, nonfinite_count, skipped_count = (
-      unreduced_sums.run_local(
-          local, (updates, sums, tokens, skipped, state.micro_step == 0),
-          unreduced_sums.local_specs(sums),
-      ))
-  return _MicroStep(
-      grads=updates,
-      leaf_rules=None,  # all "mean": _check_deferred refuses the others.
-      cycle=emitting.Cycle(grad_sum, token_count, None),
-      nonfinite_count=nonfinite_count,
-      skipped_count=skipped_count,
-  )
-
-
-def _skipped_unreduced(should_skip, updates, state, params):
-  """``should_skip`` on unreduced gradients, or an error saying why not."""
-  try:
-    return _skipped(should_skip, updates, state, params)
-  except (NotImplementedError, TypeError, ValueError) as e:
-    if "unreduced" not in str(e):
-      raise
-    raise ValueError(
-        "should_skip(grads, state, params) failed on unreduced gradients"
-        " (each device's partial; JAX allows little arithmetic on them):"
-        " decide from replicated values (the state's counts, the loss, a"
-        " flag), or use skip_nonfinite=True for non-finite gradients."
-        f" JAX said: {e}"
-    ) from e
-
-
 def _init_state(inner_state, params, accumulator_dtype, axis_name,
                 with_stats) -> AccumulateState:
   """The state before the first micro-step."""
@@ -361,8 +159,6 @@ def _init_state(inner_state, params, accumulator_dtype, axis_name,
     # With an axis, the running sums are this device's partial sums; a
     # leading slot axis lets shard_map lay them out one slot per device
     # (scalars included), so that no device's partial sum can be dropped.
-    if axis_name is None:
-      return jnp.zeros(shape, dtype)
     return partial_sums.partial_zeros(shape, dtype, axis_name)
 
   def sum_zeros(param, accumulator_dtype):
@@ -371,7 +167,16 @@ def _init_state(inner_state, params, accumulator_dtype, axis_name,
       # Under a mesh with Explicit axes: slots sharded like the parameter,
       # ready for unreduced gradients under jit (and for shard_map).
       return unreduced_sums.slot_zeros(param, dtype, axis_name)
+    if axis_name is None:
+      # Shaped and sharded like the parameter (as optax's zeros_like): all
+      # that unreduced gradients under jit need too (accumulate_forms).
+      return jnp.zeros_like(param, dtype=dtype)
     return partial_zeros(jnp.shape(param), dtype)
+
+  def count_zeros(dtype):
+    if axis_name is None:
+      return jnp.zeros([], dtype)
+    return partial_zeros((), dtype)
 
   return AccumulateState(
       micro_step=jnp.zeros([], jnp.int32),
@@ -379,13 +184,13 @@ def _init_state(inner_state, params, accumulator_dtype, axis_name,
       grad_sum=jax.tree.map(
           sum_zeros, params,
           validation.per_leaf_dtypes(accumulator_dtype, params)),
-      token_count=partial_zeros((), jnp.float32),
+      token_count=count_zeros(jnp.float32),
       inner_state=inner_state,
       emitted=jnp.zeros([], jnp.bool_),
-      nonfinite_count=partial_zeros((), jnp.int32),
-      skipped_count=partial_zeros((), jnp.int32),
+      nonfinite_count=count_zeros(jnp.int32),
+      skipped_count=count_zeros(jnp.int32),
       stats_sums=noise_scale.StatsSums(
-          partial_zeros((), jnp.float32), partial_zeros((), jnp.float32)
+          count_zeros(jnp.float32), count_zeros(jnp.float32)
       ) if with_stats else None,
       stats=noise_scale.nan_stats() if with_stats else None,
       tokens_seen=jnp.zeros([], jnp.float32),
@@ -562,8 +367,9 @@ def accumulate(
   takes_extra_args = isinstance(inner, optax.GradientTransformationExtraArgs)
   inner = optax.with_extra_args_support(inner)
 
-  rules = _Rules(loss_reduction, axis_name, skip_nonfinite, should_skip,
-                 grad_reduction)
+  settings = microstep.UpdateSettings(
+      loss_reduction, axis_name, skip_nonfinite, should_skip, grad_reduction,
+      with_stats)
 
   def init_fn(params):
     grad_reduction_lib.per_leaf(grad_reduction, params)  # fits the params?
@@ -575,22 +381,17 @@ def accumulate(
     validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
     if extra_args and not takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
-    deferred = unreduced_sums.is_deferred(axis_name)
-    if deferred:
-      _check_deferred(updates, with_stats, grad_reduction)
+    layout = accumulate_forms.detect(axis_name, updates, state.grad_sum)
     if num_tokens is None:
       tokens = missing_count.count()  # warned once the call is checked.
     else:
       tokens = validation.as_token_count("num_tokens", num_tokens)
-    add = _add_unreduced_microstep if deferred else _add_microstep
-    step = add(updates, state, params, num_tokens, tokens, rules)
+    step = layout.add(updates, state, params, num_tokens, tokens, settings)
     micro_step = optax.safe_increment(state.micro_step)
     emit = _should_emit(
-        emit, micro_step, _cycle_length(every_k, state.count),
-        None if deferred else axis_name,
-    )
+        emit, micro_step, _cycle_length(every_k, state.count), layout)
     emitter = emitting.emitter(
-        inner, axis_name, step.grads, state.inner_state, params, extra_args,
+        inner, layout, step.grads, state.inner_state, params, extra_args,
         step.leaf_rules,
     )
     emitted = lax.cond(

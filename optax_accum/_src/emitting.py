@@ -1,13 +1,13 @@
 """The emitting branch of :func:`optax_accum.accumulate`.
 
 On the call that ends a cycle, the running sums of this device (and, with
-``axis_name``, of every device, in the one reduction per update: a psum
-inside shard_map, a reshard of per-device slots under jit) become the
+a data axis, of every device, in the one reduction per update that the
+call's form says: a psum inside shard_map, a reshard under jit) become the
 token-weighted mean that ``inner`` is run on; a cycle without tokens hands
 back zero updates instead and leaves ``inner``'s state alone. Every other
 call takes the skipping branch. Both are branches of a ``lax.cond`` that only
 reads the running sum, so that XLA keeps a non-emitting call in place (see
-``accumulate._add_to_sum``).
+``microstep.add_to_sum``).
 """
 
 from typing import Any, NamedTuple
@@ -17,12 +17,10 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
-from optax_accum._src import axes
 from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import noise_scale
 from optax_accum._src import partial_sums
 from optax_accum._src import token_weighting
-from optax_accum._src import unreduced_sums
 
 
 class Cycle(NamedTuple):
@@ -49,7 +47,7 @@ class Emitter(NamedTuple):
   """Runs ``inner`` on the cycle's mean, or hands back zero updates."""
 
   inner: optax.GradientTransformationExtraArgs
-  axis_name: axes.AxisName | None
+  layout: Any  # the call's accumulate_forms.SumLayout.
   params: Any
   extra_args: dict[str, Any]
   like_grads: Any  # the gradients' tree: the mean takes their dtypes.
@@ -72,7 +70,7 @@ class Emitter(NamedTuple):
     """The emitting branch."""
     del stats  # replaced by this cycle's.
     with jax.named_scope("optax_accum_emit"):
-      cycle = _reduced(cycle, self.axis_name, self.rules)
+      cycle = self.layout.reduced(cycle, self.rules)
       updated = token_weighting.has_tokens(cycle.token_count)
       updates, inner_state = lax.cond(
           updated, self.run_inner, self.skip_inner, cycle.grad_sum,
@@ -90,28 +88,6 @@ class Emitter(NamedTuple):
                    jnp.zeros([], jnp.float32))
 
 
-def _reduced(cycle: Cycle, axis_name: axes.AxisName | None,
-             rules: list[str] | None) -> Cycle:
-  """The cycle's sums over every device: the one reduction per update.
-
-  Inside shard_map the "max" leaves get their pmax first, on one device,
-  so that the one sum that follows leaves them as they are.
-  """
-  if axis_name is None:
-    return cycle
-  if unreduced_sums.is_deferred(axis_name):
-    # Under jit: each leaf's slots resharded like its parameter.
-    return Cycle(
-        grad_sum=jax.tree.map(unreduced_sums.sum_slots, cycle.grad_sum),
-        token_count=jnp.sum(cycle.token_count),
-        stats_sums=None,
-    )
-  cycle = cycle._replace(grad_sum=grad_reduction_lib.max_over_devices(
-      cycle.grad_sum, rules, axis_name, keep_on_one_device=True))
-  cycle = partial_sums.sum_partials(cycle, axis_name)
-  return cycle._replace(token_count=cycle.token_count.reshape(()))
-
-
 def _stats_of(cycle: Cycle, rules) -> noise_scale.GradStats | None:
   """The noise statistics of a (device-reduced) cycle."""
   if cycle.stats_sums is None:
@@ -125,16 +101,12 @@ def _stats_of(cycle: Cycle, rules) -> noise_scale.GradStats | None:
   )
 
 
-def emitter(inner, axis_name, grads, inner_state, params, extra_args,
+def emitter(inner, layout, grads, inner_state, params, extra_args,
             rules=None):
-  """The :class:`Emitter` of one ``update`` call."""
-  if unreduced_sums.is_deferred(axis_name):
-    summed = unreduced_sums.summed_like(grads)
-  else:
-    summed = partial_sums.like_summed(grads, axis_name)
+  """The :class:`Emitter` of one ``update`` call, on ``layout``'s sums."""
   like_updates = jax.eval_shape(
-      lambda g, s: inner.update(g, s, params, **extra_args)[0], summed,
-      inner_state,
+      lambda g, s: inner.update(g, s, params, **extra_args)[0],
+      layout.summed_like(grads), inner_state,
   )
-  return Emitter(inner, axis_name, params, extra_args, grads, like_updates,
+  return Emitter(inner, layout, params, extra_args, grads, like_updates,
                  rules)

@@ -10,6 +10,7 @@ from optax_accum._src import accumulate as accumulate_lib
 from optax_accum._src import axes
 from optax_accum._src import sharding
 from optax_accum._src import state_lookup
+from optax_accum._src import typed_sums
 
 
 def _slot_spec(param_spec: P, slots: Any, slot: axes.AxisName,
@@ -31,7 +32,7 @@ def _slot_spec(param_spec: P, slots: Any, slot: axes.AxisName,
 
 def state_partition_specs(
     state: Any,
-    axis_name: axes.AxisName,
+    axis_name: axes.AxisName | None = None,
     param_specs: Any = None,
 ) -> Any:
   """``PartitionSpec``\\ s for an optimizer state holding per-device sums.
@@ -59,10 +60,17 @@ def state_partition_specs(
   ``model`` axis left to the types, ``axis_names={"data"}``) stays with the
   types.
 
+  Without ``axis_name`` (a state of ``accumulate`` built without one) there
+  are no slots: each leaf's spec is read off its type (``P()`` where it has
+  none), for checkpoint targets. A running sum typed unreduced (unreduced
+  gradients under jit) has no such spec: save
+  :func:`optax_accum.reduced_state` of it instead.
+
   Args:
     state: an optimizer state containing an :class:`AccumulateState` (or
       several), or its shape (``jax.eval_shape(tx.init, params)``).
-    axis_name: the data-parallel axis (or axes) given to ``accumulate``.
+    axis_name: the data-parallel axis (or axes) given to ``accumulate``, or
+      None.
     param_specs: the parameters' specs in the same shard_map: a single spec
       for all of them or a tree of specs (a prefix of the parameters' tree).
       None means replicated (``P()``).
@@ -83,6 +91,8 @@ def state_partition_specs(
     >>> specs.grad_sum, specs.token_count, specs.count
     ({'w': P('data',)}, P('data',), P())
   """
+  if axis_name is None:
+    return _typed_specs(state)
   is_state = lambda x: isinstance(x, accumulate_lib.AccumulateState)
   grad_sum = state_lookup.accumulate_states(state, "state")[0].grad_sum
   slot = axis_name
@@ -141,3 +151,59 @@ def state_partition_specs(
     return type(node)(**fields)
 
   return specs_of(state, grad_sum, spec_tree_for(grad_sum))
+
+
+def _typed_specs(state: Any) -> Any:
+  """Each leaf's spec read off its type: a state without slots."""
+
+  def spec(path, x):
+    full = sharding.full_spec(x)
+    if full.unreduced:
+      raise ValueError(
+          f"state{jax.tree_util.keystr(path)} is typed {jax.typeof(x)}:"
+          " unreduced over the data axes (the running sum of unreduced"
+          " gradients under jit), which has no partition spec to save or"
+          " restore. Take optax_accum.reduced_state(state) under jax.jit"
+          " first (one reduction) and save that; accumulate resumes from"
+          " it exactly."
+      )
+    entries = list(sharding.partitions(full))
+    while entries and entries[-1] is None:
+      entries.pop()
+    return P(*entries)
+
+  return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def reduced_state(state: Any) -> Any:
+  """``state`` with every running sum typed unreduced reduced: to save.
+
+  Under jit with Explicit axes, :func:`optax_accum.accumulate` keeps the
+  running sum of unreduced gradients (``gradient_sync="deferred"``) typed
+  unreduced over the data axes across calls: each device's partial sum.
+  Such an array cannot be fetched or saved. This reshards each of them to
+  its parameter's sharding (one all-reduce, so call it under
+  :func:`jax.jit`, e.g. before a mid-cycle checkpoint); every other leaf is
+  returned as it is. ``accumulate`` resumes from the result exactly (to
+  float32 rounding): the next call puts each whole sum back on one device of
+  the data axes, zeros on the others, which moves nothing.
+
+  Args:
+    state: an optimizer state (or any pytree) holding
+      :class:`AccumulateState`\\ s.
+
+  Returns:
+    ``state`` with no leaf typed unreduced.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_accum as oa
+    >>> tx = oa.accumulate(optax.sgd(0.1), every_k=4)
+    >>> state = tx.init({'w': jnp.zeros(3)})
+    >>> saved = jax.jit(oa.reduced_state)(state)  # nothing unreduced here.
+    >>> bool(jnp.all(saved.grad_sum['w'] == state.grad_sum['w']))
+    True
+  """
+  return jax.tree.map(typed_sums.reduce_sum, state)

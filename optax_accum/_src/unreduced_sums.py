@@ -33,20 +33,6 @@ from jax.sharding import PartitionSpec as P
 from optax_accum._src import axes
 from optax_accum._src import sharding
 
-# The oldest jax whose unreduced types this module was tested with.
-MIN_JAX = "0.9.1"
-
-
-def check_supported(what: str) -> None:
-  """Raises unless this jax has unreduced sharding types."""
-  if (not hasattr(P(), "unreduced")
-      or not hasattr(jax.sharding, "reshard")):
-    raise NotImplementedError(
-        f"{what} needs unreduced sharding types"
-        f" (PartitionSpec(unreduced=...), jax.sharding.reshard): jax >="
-        f" {MIN_JAX}, got jax {jax.__version__}."
-    )
-
 
 def check_mesh(axis_name: axes.AxisName) -> None:
   """Under jit, only Explicit axes can type a gradient unreduced.
@@ -54,7 +40,6 @@ def check_mesh(axis_name: axes.AxisName) -> None:
   On Explicit axes the typed form (:mod:`typed_form`) runs instead of the
   shard_map this guards, so only Auto axes get here.
   """
-  check_supported("gradient_sync='deferred'")
   mesh = jax.sharding.get_abstract_mesh()
   if not axes.all_explicit(axis_name):
     raise ValueError(
@@ -71,15 +56,6 @@ def unreduced_axes(x: Any) -> frozenset[str]:
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
   spec = getattr(getattr(aval, "sharding", None), "spec", None)
   return frozenset(getattr(spec, "unreduced", ()))
-
-
-def any_unreduced(tree: Any) -> bool:
-  return any(unreduced_axes(x) for x in jax.tree.leaves(tree))
-
-
-def is_deferred(axis_name: axes.AxisName | None) -> bool:
-  """Whether ``accumulate(axis_name=...)`` runs under jit, not shard_map."""
-  return axis_name is not None and not axes.is_bound(axis_name)
 
 
 def slot_axes(param_spec: P | None,
@@ -133,7 +109,6 @@ def check_grads(grads: Any, grad_sum: Any, axis_name: axes.AxisName,
   device, counted once per device: refused. ``looked_at`` is False for a
   flush (``num_tokens=0``), whose zeros are never added.
   """
-  check_supported("accumulate(axis_name=...) under jax.jit")
   if (axes.mesh_axis_size(axis_name) is None
       or not axes.all_explicit(axis_name)):
     axes.check_bound(axis_name)  # raises, saying where it works.
@@ -227,3 +202,4 @@ def sum_slots(slots: Any) -> Any:
       P(*sharding.partitions(rest), unreduced=over),
   )
   return jax.sharding.reshard(unreduced, rest)
+
