@@ -4,9 +4,9 @@ The loop of PyTorch DDP with ``no_sync()``, Keras's accumulating optimizer or
 the HF Trainer: each micro-batch is its own jitted call. With ``jax.grad``
 on a mesh, every call all-reduces the whole gradient (``k`` per update).
 ``oa.value_and_grad(..., gradient_sync="deferred")`` returns the gradient
-unreduced instead (typed ``{U:data}``), and ``oa.accumulate(...,
-axis_name="data")`` adds the devices' partials across calls and all-reduces
-them once, on the emitting call.
+unreduced instead (typed ``{U:data}``), and ``oa.accumulate`` (no
+``axis_name``: the types say which axes) adds the devices' partials across
+calls and all-reduces them once, on the emitting call.
 
 The script runs both loops on 8 simulated CPU devices over micro-batches with
 uneven token counts, checks that their updates agree with the whole batch's
@@ -68,8 +68,8 @@ def micro_batches(k: int, rows: int, dim: int) -> list[dict[str, jax.Array]]:
 
 def deferred_step(k: int):
   """The micro-step of the DDP ``no_sync`` loop, translated."""
-  tx = oa.accumulate(optax.sgd(0.1), every_k=k, axis_name="data")
-  grad_fn = oa.value_and_grad(loss_fn, num_microbatches=1, axis_name="data",
+  tx = oa.accumulate(optax.sgd(0.1), every_k=k)
+  grad_fn = oa.value_and_grad(loss_fn, num_microbatches=1,
                               num_tokens_fn=num_tokens,
                               gradient_sync="deferred")
 
