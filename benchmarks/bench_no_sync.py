@@ -6,8 +6,9 @@ batch sharded over a data axis of 8 CPU devices, three ways:
 * ``jax.grad loop``: ``k`` jit calls of ``jax.grad`` + ``oa.accumulate``; XLA
   all-reduces the gradient in every call (``k`` per update);
 * ``deferred loop``: ``k`` jit calls of ``oa.value_and_grad(...,
-  gradient_sync="deferred")`` + ``oa.accumulate(axis_name="data")``: the
-  gradient stays unreduced and is all-reduced once, on the emitting call;
+  gradient_sync="deferred")`` + ``oa.accumulate`` (no ``axis_name``: the
+  types say which axes): the gradient sum stays unreduced and is
+  all-reduced once, on the emitting call;
 * ``one call``: ``oa.value_and_grad(num_microbatches=k, axis_name="data")``
   on the whole batch and the optimizer, in one jit call.
 
@@ -109,8 +110,7 @@ def _programs(model, k):
   whole = jax.device_put(batch, P("data"))
   sgd = optax.sgd(0.1)
   naive_tx = oa.accumulate(sgd, every_k=k, equal_weights=True)
-  deferred_tx = oa.accumulate(sgd, every_k=k, axis_name="data",
-                             equal_weights=True)
+  deferred_tx = oa.accumulate(sgd, every_k=k, equal_weights=True)
   grad_fn = oa.value_and_grad(loss_fn, num_microbatches=1, axis_name="data",
                               gradient_sync="deferred", equal_weights=True)
   one_call_fn = oa.value_and_grad(loss_fn, num_microbatches=k,
@@ -128,7 +128,12 @@ def _programs(model, k):
     u, s = sgd.update(one_call_fn(p, b)[1], s, p)
     return optax.apply_updates(p, u), s
 
-  states = {NAIVE: naive_tx.init(params), DEFERRED: deferred_tx.init(params),
+  # The deferred sum is typed like the gradient from its first call on: a
+  # state after one cycle (micro_step 0 again) compiles the timed program.
+  deferred_state = deferred_tx.init(params)
+  for b in micro:
+    deferred_state = jax.jit(deferred)(params, deferred_state, b)[1]
+  states = {NAIVE: naive_tx.init(params), DEFERRED: deferred_state,
             ONE_CALL: sgd.init(params)}
   steps = {NAIVE: naive, DEFERRED: deferred, ONE_CALL: one_call}
   inputs = {NAIVE: micro, DEFERRED: micro, ONE_CALL: [whole]}
