@@ -242,30 +242,19 @@ def accumulate(
   state untouched. A ``num_tokens`` that is NaN, infinite or negative is never
   used as a weight: a concrete one raises; a traced one is dropped (and
   counted) under ``skip_nonfinite``, and otherwise makes the emitted update
-  NaN. With ``axis_name``, gradients and token counts stay local to each
-  device through the cycle and are summed over the axis once, inside the
-  emitting branch; use it inside :func:`jax.shard_map` (on gradients taken
-  with respect to :func:`optax_accum.device_local` parameters) or
-  :func:`jax.pmap`, with :func:`optax_accum.state_partition_specs` for the
-  state's specs.
+  NaN.
 
-  With ``axis_name`` under plain :func:`jax.jit` (no manual axis), the
-  gradients must be typed *unreduced* over the data axes, as
-  :func:`optax_accum.value_and_grad` ``(..., gradient_sync="deferred")``
-  returns them on a mesh with Explicit axes: each device's partial, whose sum
-  over the devices is the batch's gradient, and ``num_tokens`` the batch's
-  global token count. Each call adds the device's weighted partial to its
-  own slot, with no gradient-sized communication; the emitting call reduces
-  the slots once (PyTorch DDP's ``no_sync`` loop, one jit call per
-  micro-batch). Call ``tx.init(params)`` under ``jax.set_mesh(mesh)``: the
-  slots are then sharded over the data axes (those that do not shard a
-  parameter, FSDP/HSDP), an ordinary array that checkpoints save as they
-  are. The ``skip_nonfinite`` decision is global (one scalar reduction per
-  call); ``should_skip`` runs on the unreduced gradients, on which JAX
-  allows little arithmetic, so decide from replicated values;
-  ``with_stats`` is refused. A gradient that is already reduced is refused
-  (each device would count it), and so is an unreduced gradient given to
-  an ``accumulate`` without ``axis_name``.
+  On several devices the sums are reduced once per update, inside the
+  emitting branch. Inside :func:`jax.shard_map` or :func:`jax.pmap`, pass
+  ``axis_name``: each device keeps its own partial sums (see
+  :func:`optax_accum.state_partition_specs`). Under :func:`jax.jit` with
+  Explicit mesh axes, gradients typed *unreduced* over the data axes
+  (:func:`optax_accum.value_and_grad` ``(..., gradient_sync="deferred")``:
+  PyTorch DDP's ``no_sync`` loop, one jit call per micro-batch) need no
+  ``axis_name``: their type says over which axes, the running sum keeps it
+  from the first such call on, and ``num_tokens`` is the batch's global
+  count. Save :func:`optax_accum.reduced_state` of such a state in a
+  mid-cycle checkpoint. The forms are told in ``docs/distributed.md``.
 
   Args:
     inner: the optimizer to run on the accumulated gradient.
@@ -279,10 +268,10 @@ def accumulate(
     accumulator_dtype: floating dtype of the running sum, or a pytree prefix
       of the parameters of such dtypes, e.g. ``{'embed': jnp.bfloat16,
       'layers': jnp.float32}``: one per parameter (sub)tree.
-    axis_name: data-parallel axis (or axes) to sum over on emit, or None:
-      a manual axis (shard_map, pmap), or under jit the mesh axes the
-      gradients are unreduced over (the ``axis_name`` given to
-      ``value_and_grad``).
+    axis_name: the manual data-parallel axis (or axes) to sum over on emit
+      (shard_map, pmap), or None. Under jit, given with unreduced
+      gradients, it must name the axes their types say (its state then
+      keeps a slot per device, laid out by ``tx.init`` under the mesh).
     skip_nonfinite: if True, a micro-step whose gradient (or ``num_tokens``)
       has a NaN or Inf, or whose ``num_tokens`` is negative, adds nothing,
       neither gradient nor tokens, but still counts as a micro-step of the
