@@ -292,18 +292,24 @@ def test_replicated_gradients_still_work_without_axis_name():
                              rtol=1e-5, atol=1e-7)
 
 
-def test_mid_cycle_checkpoint_restores_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_mid_cycle_checkpoint_restores_bit_for_bit(tmp_path, hsdp):
   batches = _micro_batches()
   tx = oa.accumulate(optax.adam(0.1), every_k=K)
   micro_step = _micro_step(tx)
-  with jax.set_mesh(_mesh()):
-    params = jax.device_put(_params(), P())
-    sharded = [jax.device_put(b, P("data")) for b in batches]
+  if hsdp:  # parameters sharded over "fsdp", the sum unreduced over both.
+    mesh, data = _mesh((2, 4), ("replica", "fsdp")), ("replica", "fsdp")
+    specs = {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P()}
+  else:
+    mesh, data, specs = _mesh(), "data", P()
+  with jax.set_mesh(mesh):
+    params = jax.device_put(_params(), specs)
+    sharded = [jax.device_put(b, P(data)) for b in batches]
     _, state = _run(micro_step, params, tx.init(params), sharded[:2])
     saved = jax.jit(oa.reduced_state)(state)  # one all-reduce, mid-cycle.
     assert not jax.typeof(saved.grad_sum["w1"]).sharding.spec.unreduced
-    specs = oa.state_partition_specs(saved)
-    assert specs.grad_sum["w1"] == P()
+    saved_specs = oa.state_partition_specs(saved)
+    assert saved_specs.grad_sum["w1"] == (P(None, "fsdp") if hsdp else P())
     with ocp.StandardCheckpointer() as checkpointer:
       checkpointer.save(tmp_path / "state", saved)
       checkpointer.wait_until_finished()
