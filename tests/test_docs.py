@@ -32,6 +32,7 @@ conf = _load_conf()
 RUN_ELSEWHERE = {
     "README.md": "tests/test_examples.py",
     "docs/distributed.md": "tests/test_distributed.py",
+    "docs/equinox.md": "tests/test_equinox.py",
     "docs/noise_scale.md": "tests/test_noise_scale.py",
 }
 
