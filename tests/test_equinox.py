@@ -138,8 +138,8 @@ def test_equinoxs_usual_order_names_the_signature(jit):
   fn = oa.value_and_grad(loss_fn, num_microbatches=K, num_tokens_fn=_tokens)
   fn = eqx.filter_jit(fn) if jit else fn
   with pytest.raises(TypeError, match=(
-      r"batch\.activation is a .*not an array to split into micro-batches:"
-      r" is the batch loss_fn's second argument\?.*params first.*the batch"
+      r"batch\.activation is a .*not an array to split into micro-batches\."
+      r" Is the batch loss_fn's second argument\?.*params first.*the batch"
       r" second.*not Equinox's usual loss\(diff, static, batch\)")):
     fn(diff, static, _batch())
 

@@ -125,26 +125,25 @@ def leaf_axes(batch: Any, batch_axes: Any) -> list[int | None]:
   paths_and_leaves = jax.tree_util.tree_leaves_with_path(batch)
   if not paths_and_leaves:
     raise ValueError(
-        f"batch must contain at least one array, got {_shown(batch)}, with no"
-        " leaves. Is it loss_fn's second argument? " +
-        loss_signature.SIGNATURE + ". " + loss_signature.EQUINOX)
+        "batch must contain at least one array, got"
+        f" {loss_signature.shown(batch)}, with no leaves. " +
+        loss_signature.order_hint(equinox=True))
   entries = validation.prefix_leaves("batch_axes", batch_axes, batch, "batch")
   if all(axis is not None and loss_signature.is_array(leaf)
          and jnp.ndim(leaf) == 0
          for (_, leaf), axis in zip(paths_and_leaves, entries)):
     raise ValueError(
         "No leaf of batch has an axis to split into micro-batches: all are"
-        f" scalars, in {_shown(batch)}. Is it loss_fn's second argument? " +
-        loss_signature.SIGNATURE + ".")
+        f" scalars, in {loss_signature.shown(batch)}. " +
+        loss_signature.order_hint())
   out = []
   for (path, leaf), axis in zip(paths_and_leaves, entries):
     where = f"batch{jax.tree_util.keystr(path)}"
     if axis is not None and not loss_signature.is_array(leaf):
       raise TypeError(
-          f"{where} is a {type(leaf).__name__} ({_shown(leaf)}), not an"
-          " array to split into micro-batches: is the batch loss_fn's second"
-          " argument? " + loss_signature.SIGNATURE + ". " +
-          loss_signature.EQUINOX)
+          f"{where} is a {type(leaf).__name__}"
+          f" ({loss_signature.shown(leaf)}), not an array to split into"
+          " micro-batches. " + loss_signature.order_hint(equinox=True))
     ndim = jnp.ndim(leaf)
     if axis is None:
       out.append(None)
@@ -167,15 +166,6 @@ def leaf_axes(batch: Any, batch_axes: Any) -> list[int | None]:
         " leaf an axis to split into micro-batches."
     )
   return out
-
-
-def _shown(x: Any) -> str:
-  text = repr(x) if not hasattr(x, "shape") else _describe_array(x)
-  return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _describe_array(x: Any) -> str:
-  return f"{type(x).__name__} of shape {tuple(jnp.shape(x))}"
 
 
 def split_size(batch: Any, axes: list[int | None]) -> int:

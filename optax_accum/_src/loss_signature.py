@@ -48,13 +48,22 @@ EQUINOX = (
 )
 
 
+def order_hint(equinox: bool = False) -> str:
+  """Says which argument is the batch, for a batch that looks misplaced."""
+  hint = "Is the batch loss_fn's second argument? " + SIGNATURE + "."
+  return hint + " " + EQUINOX if equinox else hint
+
+
 def is_array(x: Any) -> bool:
   """An array, a tracer, a ``jax.ShapeDtypeStruct`` or a Python number."""
   return (hasattr(x, "shape") and hasattr(x, "dtype")) or isinstance(
       x, numbers.Number)
 
 
-def _shown(x: Any) -> str:
+def shown(x: Any) -> str:
+  """``x`` in an error message: an array's type and shape, or a short repr."""
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"{type(x).__name__} of shape {tuple(jnp.shape(x))}"
   text = repr(x)
   return text if len(text) <= 60 else text[:57] + "..."
 
@@ -69,7 +78,7 @@ def check_params(params: Any) -> None:
     if not is_array(leaf):
       raise TypeError(
           f"params{jax.tree_util.keystr(path)} is a {type(leaf).__name__}"
-          f" ({_shown(leaf)}), not an array: every leaf of params, fn's"
+          f" ({shown(leaf)}), not an array: every leaf of params, fn's"
           " first argument, is differentiated. " + EQUINOX + " " +
           SIGNATURE + ".")
 
