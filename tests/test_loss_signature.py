@@ -219,6 +219,15 @@ def test_a_later_argument_of_the_batchs_size_gets_a_note(jit):
                              rtol=1e-6)
 
 
+def test_a_keyword_argument_of_the_batchs_size_gets_the_note_too():
+  fn = oa.value_and_grad(lambda w, x, *, y: _tutorial(w, x, y),
+                         num_microbatches=K, equal_weights=True)
+  with pytest.raises(TypeError, match="incompatible shapes") as info:
+    fn(jnp.ones(2), _batch()["x"], y=jnp.ones(4))
+  assert any(n.startswith("optax_accum") and "y= (leading size 4)" in n
+             for n in getattr(info.value, "__notes__", ())), info.value
+
+
 def test_no_note_where_no_later_argument_has_the_batchs_size():
   fn = oa.value_and_grad(_tutorial, num_microbatches=K, equal_weights=True)
   with pytest.raises(TypeError, match="incompatible shapes") as info:

@@ -89,12 +89,14 @@ def _leading_sizes(tree: Any) -> set[int]:
 
 
 def _unsplit_args_hint(microbatch: Any, inputs: Inputs) -> str | None:
-  """A note for a failing ``loss_fn``: positional arguments after the batch
-  with the batch's leading size, which are passed whole, not split."""
+  """A note for a failing ``loss_fn``: arguments after the batch with the
+  batch's leading size, which are passed whole, not split."""
   batch_sizes = _leading_sizes(inputs.batch) - _leading_sizes(microbatch)
+  named = [(f"*args[{i}]", arg) for i, arg in enumerate(inputs.args)]
+  named += [(f"{k}=", v) for k, v in inputs.kwargs.items() if k != RNG]
   suspects = [
-      f"*args[{i}] (leading size {jnp.shape(leaf)[0]})"
-      for i, arg in enumerate(inputs.args)
+      f"{name} (leading size {jnp.shape(leaf)[0]})"
+      for name, arg in named
       for leaf in jax.tree.leaves(arg)[:1]
       if is_array(leaf) and jnp.ndim(leaf)
       and jnp.shape(leaf)[0] in batch_sizes
