@@ -7,6 +7,7 @@ calls us.
 """
 
 import inspect
+import re
 
 from flax import nnx
 import jax
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import optax
 import pytest
 
+import helpers
 import optax_accum as oa
 from optax_accum._src import reduced_fallbacks
 
@@ -111,3 +113,16 @@ def test_the_fallback_warning_is_at_the_callers_line():
       step(params, batch)
   _at_caller(record, lines[0])
 
+
+
+def test_every_warning_of_ours_goes_through_caller_warnings():
+  """A ``warnings.warn`` elsewhere would name our line, not the caller's."""
+  src = helpers.ROOT / "optax_accum"
+  offenders = [
+      f"{path.relative_to(helpers.ROOT)}:{number}"
+      for path in sorted(src.rglob("*.py"))
+      if path.name != "caller_warnings.py"
+      for number, line in enumerate(path.read_text().splitlines(), 1)
+      if re.search(r"(?<!caller_)warnings\.warn\(", line)
+  ]
+  assert not offenders, offenders
