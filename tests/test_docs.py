@@ -32,6 +32,8 @@ conf = _load_conf()
 RUN_ELSEWHERE = {
     "README.md": "tests/test_examples.py",
     "docs/distributed.md": "tests/test_distributed.py",
+    "docs/equinox.md": "tests/test_equinox.py",
+    "docs/migrating.md": "tests/test_migrating.py",
     "docs/noise_scale.md": "tests/test_noise_scale.py",
 }
 
@@ -122,7 +124,6 @@ def test_every_example_folder_has_a_gallery_page(readme):
 
 # Lines that a page's blocks print, in order, as their comments say.
 PRINTED = {
-    "docs/migrating.md": ["True 1 0"],
     # NNX (a micro-step, then the update), oa.apply_if_updated (2 updates),
     # then the checkpoint restored mid-cycle (micro_step 1), and a sharded
     # one, restored under the mesh with its sharding.

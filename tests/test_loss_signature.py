@@ -11,10 +11,12 @@
 """
 
 import functools
+import re
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import optax_accum as oa
@@ -147,3 +149,88 @@ def test_other_call_mistakes_keep_their_own_error():
   with pytest.raises(TypeError, match=r"missing 1 required positional"
                      r" argument: 'scale'"):
     _fn(needs_scale)(jnp.ones(2), _batch())
+
+
+# --------------------------------------------------------------------------
+# The order of fn's arguments: params, the batch, the rest.
+
+_ORDER = r"params first.*the batch second.*\*args or a closure"
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_function_among_the_params_names_the_leaf_and_partition(jit):
+  """Was JAX's "... is not a valid JAX type" (an unfiltered Equinox model)."""
+  fn = oa.value_and_grad(lambda p, mb: _mse(p["w"], mb), num_microbatches=K,
+                         equal_weights=True)
+  call = lambda mb: fn({"w": jnp.ones(2), "act": jax.nn.relu}, mb)
+  with pytest.raises(TypeError, match=r"params\['act'\] is a .*not an array"
+                     r".*eqx.partition\(model, eqx.is_inexact_array\).*"
+                     + _ORDER):
+    jax.jit(call)(_batch()) if jit else call(_batch())
+
+
+@pytest.mark.parametrize("static, error, message", [
+    ({"act": jax.nn.relu}, TypeError, r"batch\['act'\] is a .*not an array"),
+    ({"act": None}, ValueError, r"at least one array, got \{'act': None\}"),
+    ({"n": 3, "bias": jnp.float32(1)}, ValueError, r"all are scalars"),
+])
+def test_a_batch_that_is_not_the_second_argument_names_the_order(
+    static, error, message):
+  """Equinox's loss(diff, static, batch): the static part taken as the batch.
+
+  Was "pass batch_axes=None for it", or "at least one array" alone.
+  """
+  def eqx_order(w, static, mb):
+    return _mse(w, mb)
+
+  fn = oa.value_and_grad(eqx_order, num_microbatches=K, equal_weights=True)
+  with pytest.raises(error, match=message + r".*second argument\?.*"
+                     + _ORDER):
+    fn(jnp.ones(2), static, _batch())
+  loss, _ = oa.value_and_grad(lambda w, mb, static: eqx_order(w, static, mb),
+                              num_microbatches=K, equal_weights=True)(
+                                  jnp.ones(2), _batch(), static)
+  assert jnp.isfinite(loss)
+
+
+def _tutorial(w, x, y):  # only x is split: y reaches the loss whole.
+  return jnp.mean((x @ w - y) ** 2)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_later_argument_of_the_batchs_size_gets_a_note(jit):
+  """``loss(params, x, y)``: JAX's broadcasting error, with our note."""
+  x = _batch()["x"]
+  fn = oa.value_and_grad(_tutorial, num_microbatches=K, equal_weights=True)
+  fn = jax.jit(fn) if jit else fn
+  with pytest.raises(TypeError, match="incompatible shapes") as info:
+    fn(jnp.ones(2), x, jnp.ones(4))
+  notes = [n for n in getattr(info.value, "__notes__", ())
+           if n.startswith("optax_accum")]
+  assert len(notes) == 1, info.value
+  assert re.search(r"only the batch.* is split into micro-batches \(of 2"
+                   r" rows here\): fn's \*args\[0\] \(leading size 4\)"
+                   r".*fn\(params, \(x, y\)\)", notes[0]), notes[0]
+  # The fix: both in the batch.
+  fixed = oa.value_and_grad(lambda w, b: _tutorial(w, *b),
+                            num_microbatches=K, equal_weights=True)
+  loss, _ = fixed(jnp.ones(2), (x, jnp.ones(4)))
+  np.testing.assert_allclose(loss, _tutorial(jnp.ones(2), x, jnp.ones(4)),
+                             rtol=1e-6)
+
+
+def test_a_keyword_argument_of_the_batchs_size_gets_the_note_too():
+  fn = oa.value_and_grad(lambda w, x, *, y: _tutorial(w, x, y),
+                         num_microbatches=K, equal_weights=True)
+  with pytest.raises(TypeError, match="incompatible shapes") as info:
+    fn(jnp.ones(2), _batch()["x"], y=jnp.ones(4))
+  assert any(n.startswith("optax_accum") and "y= (leading size 4)" in n
+             for n in getattr(info.value, "__notes__", ())), info.value
+
+
+def test_no_note_where_no_later_argument_has_the_batchs_size():
+  fn = oa.value_and_grad(_tutorial, num_microbatches=K, equal_weights=True)
+  with pytest.raises(TypeError, match="incompatible shapes") as info:
+    fn(jnp.ones(2), _batch()["x"], jnp.ones(3))
+  assert not any(n.startswith("optax_accum")
+                 for n in getattr(info.value, "__notes__", ()))

@@ -54,5 +54,6 @@ for_microbatch, zero_grads, add_grads, finish) on either an fsdp.Layout
 Helpers shared by both: axes.py (manual axes, device_local), sharding.py
 (specs, gathers, reduce-scatters), validation.py (argument checks),
 partition_specs.py and state_lookup.py (reading an AccumulateState), hlo.py
-(count_collectives), planner.py (plan_microbatches).
+(count_collectives), planner.py (plan_microbatches), caller_warnings.py
+(every warning, at the caller's line).
 """

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import loss_signature
 from optax_accum._src import sharding
 from optax_accum._src import validation
 
@@ -124,11 +125,25 @@ def leaf_axes(batch: Any, batch_axes: Any) -> list[int | None]:
   paths_and_leaves = jax.tree_util.tree_leaves_with_path(batch)
   if not paths_and_leaves:
     raise ValueError(
-        "batch must contain at least one array, got an empty tree.")
+        "batch must contain at least one array, got"
+        f" {loss_signature.shown(batch)}, with no leaves. " +
+        loss_signature.order_hint(equinox=True))
   entries = validation.prefix_leaves("batch_axes", batch_axes, batch, "batch")
+  if all(axis is not None and loss_signature.is_array(leaf)
+         and jnp.ndim(leaf) == 0
+         for (_, leaf), axis in zip(paths_and_leaves, entries)):
+    raise ValueError(
+        "No leaf of batch has an axis to split into micro-batches: all are"
+        f" scalars, in {loss_signature.shown(batch)}. " +
+        loss_signature.order_hint())
   out = []
   for (path, leaf), axis in zip(paths_and_leaves, entries):
     where = f"batch{jax.tree_util.keystr(path)}"
+    if axis is not None and not loss_signature.is_array(leaf):
+      raise TypeError(
+          f"{where} is a {type(leaf).__name__}"
+          f" ({loss_signature.shown(leaf)}), not an array to split into"
+          " micro-batches. " + loss_signature.order_hint(equinox=True))
     ndim = jnp.ndim(leaf)
     if axis is None:
       out.append(None)

@@ -31,6 +31,88 @@ class Inputs(NamedTuple):
   num_real: Any = None  # int32 scalar: micro-batches to run; None: all.
 
 
+# How fn passes its arguments on to loss_fn, for errors about their order.
+SIGNATURE = (
+    "fn(params, batch, *args) calls loss_fn(params, microbatch, *args):"
+    " params first (the arrays differentiated), the batch second (the one"
+    " argument split into micro-batches; third, after model_state, with"
+    " has_state=True), anything else whole through *args or a closure"
+)
+
+# What an Equinox user does instead.
+EQUINOX = (
+    "For an Equinox model, split it with diff, static = eqx.partition(model,"
+    " eqx.is_inexact_array), write loss_fn(diff, batch, static) (not"
+    " Equinox's usual loss(diff, static, batch)) calling eqx.combine(diff,"
+    " static), and call fn(diff, batch, static), or close over static."
+)
+
+
+def order_hint(equinox: bool = False) -> str:
+  """Says which argument is the batch, for a batch that looks misplaced."""
+  hint = "Is the batch loss_fn's second argument? " + SIGNATURE + "."
+  return hint + " " + EQUINOX if equinox else hint
+
+
+def is_array(x: Any) -> bool:
+  """An array, a tracer, a ``jax.ShapeDtypeStruct`` or a Python number."""
+  return (hasattr(x, "shape") and hasattr(x, "dtype")) or isinstance(
+      x, numbers.Number)
+
+
+def shown(x: Any) -> str:
+  """``x`` in an error message: an array's type and shape, or a short repr."""
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"{type(x).__name__} of shape {tuple(jnp.shape(x))}"
+  text = repr(x)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_params(params: Any) -> None:
+  """Raises naming the leaf if ``params`` holds anything but arrays.
+
+  JAX would say "not a valid JAX type" from inside the loop; the usual
+  cause is a whole Equinox module (its activation functions are leaves).
+  """
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if not is_array(leaf):
+      raise TypeError(
+          f"params{jax.tree_util.keystr(path)} is a {type(leaf).__name__}"
+          f" ({shown(leaf)}), not an array: every leaf of params, fn's"
+          " first argument, is differentiated. " + EQUINOX + " " +
+          SIGNATURE + ".")
+
+
+def _leading_sizes(tree: Any) -> set[int]:
+  return {jnp.shape(x)[0] for x in jax.tree.leaves(tree)
+          if is_array(x) and jnp.ndim(x)}
+
+
+def _unsplit_args_hint(microbatch: Any, inputs: Inputs) -> str | None:
+  """A note for a failing ``loss_fn``: arguments after the batch with the
+  batch's leading size, which are passed whole, not split."""
+  batch_sizes = _leading_sizes(inputs.batch) - _leading_sizes(microbatch)
+  named = [(f"*args[{i}]", arg) for i, arg in enumerate(inputs.args)]
+  named += [(f"{k}=", v) for k, v in inputs.kwargs.items() if k != RNG]
+  suspects = [
+      f"{name} (leading size {jnp.shape(leaf)[0]})"
+      for name, arg in named
+      for leaf in jax.tree.leaves(arg)[:1]
+      if is_array(leaf) and jnp.ndim(leaf)
+      and jnp.shape(leaf)[0] in batch_sizes
+  ]
+  if not suspects:
+    return None
+  rows = ", ".join(str(n) for n in sorted(_leading_sizes(microbatch)))
+  return (
+      "optax_accum: only the batch, fn's argument after params, is split"
+      f" into micro-batches (of {rows} rows here): fn's"
+      f" {', '.join(suspects)}, with the batch's leading size, reach"
+      " loss_fn whole. Put every per-example array"
+      " in the batch: fn(params, (x, y)) with loss_fn(params, batch) doing"
+      " x, y = batch. " + SIGNATURE + ".")
+
+
 def _describe(x: Any) -> str:
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     return f"a single array of dtype {x.dtype} and shape {tuple(x.shape)}"
@@ -78,7 +160,13 @@ def normalize(loss_fn, has_aux, has_state):
     leading = (params, model_state) if has_state else (params,)
     positional = (*leading, microbatch, *inputs.args)
     check_rng(signature, positional, kwargs, len(leading) + 1)
-    out = loss_fn(*positional, **kwargs)
+    try:
+      out = loss_fn(*positional, **kwargs)
+    except (TypeError, ValueError) as e:
+      hint = _unsplit_args_hint(microbatch, inputs)
+      if hint is not None:
+        e.add_note(hint)
+      raise
     if not (has_aux or has_state):
       return _unpaired(out), (None, None)
     if not isinstance(out, tuple) or len(out) != 2:

@@ -25,12 +25,12 @@ import contextlib
 import contextvars
 import math
 from typing import Any, NamedTuple
-import warnings
 
 import jax
 import jax.extend
 import jax.numpy as jnp
 
+from optax_accum._src import caller_warnings
 from optax_accum._src import sharding
 
 # How a parameter used elementwise with batch-sharded activations can be
@@ -244,7 +244,7 @@ def publish(found: Report) -> None:
     return
   if found.fallback_leaves and found.fallback_leaves not in _warned:
     _warned.add(found.fallback_leaves)
-    warnings.warn(found.message(), UserWarning, stacklevel=4)
+    caller_warnings.warn(found.message(), UserWarning)
 
 
 @contextlib.contextmanager

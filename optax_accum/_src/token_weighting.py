@@ -29,11 +29,11 @@ What is kept:
 """
 
 from typing import Any, NamedTuple
-import warnings
 
 import jax
 import jax.numpy as jnp
 
+from optax_accum._src import caller_warnings
 from optax_accum._src import unreduced_sums
 
 # The construction argument by which a user says that equal weights are meant.
@@ -79,7 +79,7 @@ class MissingCount:
 
   def warn(self) -> None:
     if not self.warned:
-      warnings.warn(self.message(), UserWarning, stacklevel=3)
+      caller_warnings.warn(self.message(), UserWarning)
       self.warned = True  # not if warnings are errors: each call raises.
 
   def message(self) -> str:

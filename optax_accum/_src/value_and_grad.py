@@ -290,6 +290,7 @@ def value_and_grad(
     validation.refuse_near_misses(kwargs, ("num_real_microbatches",),
                                   "the value_and_grad call", "loss_fn",
                                   declared)
+    loss_signature.check_params(params)
     model_state, batch, args = loss_signature.split_call_args(
         rest, opts.has_state)
     inputs = loss_signature.Inputs(
