@@ -20,6 +20,11 @@ from optax_accum._src.reduced_fallbacks import Report as ShardingReport
 from optax_accum._src.reduced_fallbacks import (
     sharding_report as sharding_report,
 )
+from optax_accum._src.reducible_layers import add_bias as add_bias
+from optax_accum._src.reducible_layers import multiply_scale as multiply_scale
+from optax_accum._src.reducible_layers import (
+    reducible_layers as reducible_layers,
+)
 from optax_accum._src.state_lookup import (
     find_accumulate_state as find_accumulate_state,
 )
@@ -37,6 +42,7 @@ __all__ = (
     "Plan",
     "ShardingReport",
     "accumulate",
+    "add_bias",
     "apply_if_updated",
     "count_collectives",
     "coupled_value_and_grad",
@@ -44,8 +50,10 @@ __all__ = (
     "find_accumulate_state",
     "grad_stats",
     "has_updated",
+    "multiply_scale",
     "plan_microbatches",
     "reduced_state",
+    "reducible_layers",
     "sharding_report",
     "state_partition_specs",
     "tokens_seen",

@@ -129,6 +129,8 @@ PRINTED = {
     # one, restored under the mesh with its sharding.
     "docs/flax.md": ["1 0 True", "4", "2", "1", "P(None, 'model') 1"],
     "docs/per_leaf_rules.md": ["23.0", "11.0"],
+    # The fallback leaves of nnx.Linear and nnx.LayerNorm, then none.
+    "docs/reduced_leaves.md": ["4 4", "()"],
 }
 
 

@@ -1,5 +1,7 @@
 """``forms``: which parallel form a call runs in, decided once."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -8,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
+import optax_accum as oa
 from optax_accum._src import forms
 
 
@@ -86,3 +89,74 @@ def test_a_manual_axis_is_manual():
   jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(
       jnp.ones(8))
   assert seen == [forms.Form(forms.MANUAL, "data", None)]
+
+
+# Auto axes, a batch sharded over them, no axis_name: a warning, once.
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+  """Forgets which meshes were warned about (the warning comes once)."""
+  monkeypatch.setattr(forms, "_warned_auto", set())
+
+
+def _step(axis_name=None):
+  fn = oa.value_and_grad(lambda w, mb: jnp.mean((mb @ w) ** 2),
+                         num_microbatches=2, equal_weights=True,
+                         axis_name=axis_name)
+
+  @jax.jit
+  def step(w, batch):
+    return fn(w, batch)  # the caller's line the warning names.
+
+  return step
+
+
+def _sharded_call(kind, axis_name=None):
+  with jax.set_mesh(_mesh((8,), ("data",), kind)):
+    batch = jax.device_put(jnp.ones((16, 3)), P("data"))
+    return _step(axis_name)(jnp.ones(3), batch)
+
+
+AUTO_WARNING = (r"If the batch is sharded over the Auto mesh axes \['data'\]"
+                r" and axis_name is None.*every micro-batch.*"
+                r"axis_name='data'.*Explicit")
+
+
+def test_auto_axes_without_axis_name_warn_once_at_the_callers_line(
+    fresh_warnings):
+  """Failed before: nothing said that each micro-batch was all-reduced."""
+  del fresh_warnings
+  with pytest.warns(UserWarning, match=AUTO_WARNING) as caught:
+    _sharded_call(AxisType.Auto)
+  assert [w.filename for w in caught] == [__file__]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _sharded_call(AxisType.Auto)  # once per mesh.
+
+
+def test_a_concrete_batch_names_the_auto_axes_it_is_sharded_over(
+    fresh_warnings):
+  del fresh_warnings
+  fn = oa.value_and_grad(lambda w, mb: jnp.mean((mb @ w) ** 2),
+                         num_microbatches=2, equal_weights=True)
+  with jax.set_mesh(_mesh((2, 4), ("data", "model"), AxisType.Auto)):
+    batch = jax.device_put(jnp.ones((16, 3)), P("data"))
+    with pytest.warns(UserWarning, match=r"The batch is sharded over the"
+                      r" Auto mesh axes \['data'\].*axis_name='data'"):
+      fn(jnp.ones(3), batch)
+    forms._warned_auto.clear()  # pylint: disable=protected-access
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      fn(jnp.ones(3), jax.device_put(jnp.ones((16, 3)), P()))
+
+
+@pytest.mark.parametrize("kind, axis_name", [
+    (AxisType.Auto, "data"), (AxisType.Explicit, None),
+    (AxisType.Explicit, "data")])
+def test_no_auto_warning_with_axis_name_or_on_explicit_axes(
+    fresh_warnings, kind, axis_name):
+  del fresh_warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _sharded_call(kind, axis_name)

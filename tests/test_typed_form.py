@@ -241,9 +241,11 @@ def test_sharding_report_names_the_fallback_leaf_and_its_share():
   assert "jnp.einsum" in report.message()
 
 
-def test_the_fallback_warning_is_given_once():
+def test_the_fallback_warning_is_given_once(monkeypatch):
   cfg = MESHES["data_tensor"][2]
   reduced_fallbacks._warned.clear()
+  # 'pos' adds less than WARN_ABOVE here (tests/test_reduced_fallbacks.py).
+  monkeypatch.setattr(reduced_fallbacks, "WARN_ABOVE", 0.0)
   with jax.set_mesh(_mesh("data_tensor")):
     params, batch = _placed(cfg)
     with pytest.warns(UserWarning, match=r"params\['pos'\]"):

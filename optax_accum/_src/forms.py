@@ -15,7 +15,9 @@ forms:
   batch is sharded over (read off its type), or ``axis_name``'s. Nothing is
   made manual around ``loss_fn``: the parameters are typed ``reduced`` over
   the data axes and the loop sums ``unreduced`` gradients
-  (:mod:`typed_form`).
+  (:mod:`typed_form`). Only on a mesh whose axes are all Explicit: on one
+  that mixes in Auto or Manual axes the call is refused
+  (:func:`refuse_mixed_axis_types`).
 * ``MESH``: ``axis_name`` names Auto axes of a mesh under :func:`jax.jit`:
   the mesh set by :func:`jax.set_mesh`, or, without it, the mesh that the
   inputs' types carry. The runner makes those axes manual for the length of
@@ -37,6 +39,7 @@ import jax
 from jax.sharding import AxisType
 
 from optax_accum._src import axes
+from optax_accum._src import caller_warnings
 from optax_accum._src import sharding
 
 SINGLE = "single"
@@ -48,7 +51,7 @@ MESH = "mesh"
 class Form(NamedTuple):
   """How one call runs: its kind, its data axes and the mesh to enter."""
 
-  kind: str  # SINGLE, MANUAL or MESH.
+  kind: str  # SINGLE, MANUAL, TYPED or MESH.
   axis_name: axes.AxisName | None  # the data axes reduced over, or None.
   enter: Any  # an AbstractMesh read off the inputs, to enter; or None.
 
@@ -148,7 +151,9 @@ def detect(axis_name: axes.AxisName | None, params: Any, batch: Any,
   typed = batch_data_axes(batch, leaf_axes)
   if axis_name is None:
     if typed:
+      refuse_mixed_axis_types(mesh, typed, None)
       return Form(TYPED, _name(typed), enter)
+    warn_auto_batch(mesh, batch, leaf_axes)
     return Form(SINGLE, None, enter)
   sizes = {} if mesh is None else _sizes(mesh)
   manual = set(getattr(mesh, "manual_axes", ()) or ())
@@ -175,8 +180,139 @@ def detect(axis_name: axes.AxisName | None, params: Any, batch: Any,
   if not active:
     return Form(SINGLE, None, enter)
   if _explicit(mesh, active):
+    refuse_mixed_axis_types(mesh, active, axis_name)
     return Form(TYPED, _name(active), enter)
   return Form(MESH, _name(active), enter)
+
+
+def _types(mesh: Any) -> dict[str, str]:
+  return {n: t.name for n, t in zip(mesh.axis_names, mesh.axis_types)}
+
+
+def refuse_mixed_axis_types(mesh: Any, data_axes: tuple[str, ...],
+                            axis_name: axes.AxisName | None) -> None:
+  """Workaround: XLA miscompiles ``unreduced`` types on a mesh that mixes
+  axis types, so the typed form runs only where every axis is Explicit.
+
+  On ``jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(Explicit,
+  Auto))`` (the Auto axis of any size, 1 included), jax 0.9.1 and 0.10.2
+  lower the gradient of a weight typed ``reduced`` over ``data`` with open
+  shardings (``{?}``) around its ``unreduced`` constraint, and the SPMD
+  partitioner all-reduces the dot's output itself before the reshard
+  all-reduces it again: the weights' gradient comes back multiplied by the
+  size of ``data`` (Equinox's ``Linear``, ``jnp.einsum`` of a weight and a
+  batch-sharded activation), silently. Next to a Manual axis (inside a
+  :func:`jax.shard_map` over another axis) XLA aborts the process ("Only one
+  of unreduced and manual axes can be present"). Both are refused here, at
+  trace time, before XLA sees them. Remove when jax lowers ``unreduced`` on
+  a mesh with Auto and Manual axes as it does on an all-Explicit one
+  (``tests/test_mixed_axis_types.py::test_xla_still_double_counts`` fails
+  then).
+  """
+  types = _types(mesh)
+  others = {n: t for n, t in types.items() if t != AxisType.Explicit.name}
+  if not others:
+    return
+  given = ("the batch is sharded over" if axis_name is None
+           else f"axis_name={axis_name!r} names")
+  name = _name(data_axes)
+  manual = [n for n, t in others.items() if t == AxisType.Manual.name]
+  fix = (
+      f"Make the data axes {list(data_axes)} manual too (a jax.shard_map"
+      f" over them as well) and pass axis_name={name!r}, or call it outside"
+      " the jax.shard_map." if manual else
+      "Make every axis of the mesh Explicit (jax.make_mesh(shape, names,"
+      " axis_types=(AxisType.Explicit,) * len(shape))): the loop then types"
+      " the gradient and reduces it once. Or make the data axes Auto as well"
+      f" and pass axis_name={name!r}: the loop then runs in a jax.shard_map"
+      " over them and reduces once."
+  )
+  raise ValueError(
+      f"The mesh mixes axis types, {types}, and {given} the Explicit axes"
+      f" {list(data_axes)}: optax_accum's typed form (parameters typed"
+      " reduced, gradient sums unreduced over the data axes) is refused on"
+      f" such a mesh, since XLA miscompiles unreduced types next to"
+      f" {', '.join(sorted(set(others.values())))} axes (the weights'"
+      " gradient counted once per device, or a crash). " + fix
+  )
+
+
+# The meshes already warned about by warn_auto_batch: (axis names, sizes).
+_warned_auto: set[tuple[Any, ...]] = set()
+
+
+def _auto_axes(mesh: Any) -> dict[str, int]:
+  """The mesh's Auto axes of size > 1 (not manual here)."""
+  if mesh is None:
+    return {}
+  return {n: s for n, s, t in zip(mesh.axis_names, mesh.axis_sizes,
+                                  mesh.axis_types)
+          if t == AxisType.Auto and s > 1}
+
+
+def _batch_auto_axes(batch: Any, leaf_axes: list[int | None],
+                     auto: dict[str, int]) -> tuple[str, ...] | None:
+  """The Auto axes the batch is sharded over along its split axes, or None
+  where that is hidden: a traced leaf whose type does not shard its split
+  axis (Auto shardings are not in types)."""
+  found: list[str] = []
+  for leaf, axis in zip(jax.tree.leaves(batch), leaf_axes):
+    if axis is None:
+      continue
+    if isinstance(leaf, jax.core.Tracer):
+      entry = _entry(jax.typeof(leaf), axis)
+      if entry is None:
+        return None
+    else:
+      entry = _entry(leaf, axis)
+    found += [n for n in axes.axes_of(entry or ()) if n in auto
+              and n not in found]
+  return tuple(found)
+
+
+def _entry(value: Any, axis: int) -> Any:
+  """The mesh axes along ``axis`` in ``value``'s (or its type's) sharding."""
+  spec = getattr(getattr(value, "sharding", None), "spec", None)
+  entries = () if spec is None else sharding.partitions(spec)
+  return entries[axis] if axis < len(entries) else None
+
+
+def warn_auto_batch(mesh: Any, batch: Any,
+                    leaf_axes: list[int | None]) -> None:
+  """Warns once per mesh where XLA may reduce every micro-batch's gradient.
+
+  Without ``axis_name``, on a mesh with Auto axes, a batch sharded over them
+  runs as :func:`jax.jit` places it: exact, but each micro-batch's gradient
+  is all-reduced inside the loop. Auto shardings are not in the types, so
+  under :func:`jax.jit` the warning says "if"; a concrete batch that is not
+  sharded over them is not warned about.
+  """
+  auto = _auto_axes(mesh)
+  if not auto or all(a is None for a in leaf_axes):
+    return
+  sharded = _batch_auto_axes(batch, leaf_axes, auto)
+  if sharded == ():
+    return
+  key = (tuple(mesh.axis_names), tuple(mesh.axis_sizes))
+  if key in _warned_auto:
+    return
+  _warned_auto.add(key)
+  over = sharded or tuple(auto)
+  if_sharded = ("The batch is sharded over" if sharded else
+                "If the batch is sharded over")
+  message = (
+      f"{if_sharded} the Auto mesh axes {list(over)} and axis_name is None:"
+      " the micro-batch loop runs as jax.jit places it, exact, but XLA"
+      " all-reduces the gradient of every micro-batch inside the loop"
+      " (num_microbatches gradient-sized all-reduces per call, where one"
+      " after the loop would do; measured on the CPU backend, whose compiler"
+      " keeps them in the loop). Pass axis_name naming them"
+      f" (axis_name={_name(over)!r}): the loop then runs in a jax.shard_map"
+      " over those axes and reduces once, after it. Or make the mesh's axes"
+      " Explicit (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))):"
+      " the data axes are then read off the batch's type and reduced once."
+  )
+  caller_warnings.warn(message, UserWarning)
 
 
 def entered(form: Form) -> contextlib.AbstractContextManager:

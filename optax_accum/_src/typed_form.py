@@ -112,7 +112,10 @@ def run(program: stages.Program, settings: Any, params: Any,
     seconds = time.perf_counter() - started
     partials = attempt(frozenset(c for c in candidates if c not in fallback))
   reduced_fallbacks.publish(reduced_fallbacks.report(
-      params, fallback, axes.axes_of(axis_name), seconds))
+      params, fallback, axes.axes_of(axis_name), seconds,
+      # issue 32 item 7 (mesh helper): the cost per call, for the report.
+      num_microbatches=settings.num_microbatches,
+      deferred=settings.policy.gradient_sync == fsdp.DEFERRED))
   lay = layout(frozenset(c for c in candidates if c not in fallback))
   partials = partials._replace(
       grads=typed_layout.finish(lay, partials.grads))
