@@ -69,7 +69,8 @@ def _estimate(grads, tokens, loss_reduction="mean", drop=None):
     grad_sum = token_weighting.add(grad_sum, handed, c)
     token_count = token_count + c.tokens
   mean = token_weighting.mean(grad_sum, token_count, grad_sum)
-  return noise_scale.estimate(sums, {"w": mean}, token_count)
+  return noise_scale.estimate_from_norm(
+      sums, noise_scale.sq_norm({"w": mean}), token_count)
 
 
 def _assert_stats_close(stats, expected, rtol=1e-4):

@@ -265,7 +265,7 @@ def test_auto_axes_with_an_annotation_naming_a_data_axis_get_our_error():
                          equal_weights=True)
   with jax.set_mesh(mesh):
     with pytest.raises(ValueError, match=(
-        r"loss_fn names the data axis 'data'.*Auto axes.*Explicit")):
+        r"(?s)Auto axes.*data axes 'data'.*Explicit")):
       jax.jit(fn)(jnp.ones((4, 3)), {"x": jnp.ones((32, 4))})
 
 

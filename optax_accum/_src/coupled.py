@@ -22,6 +22,7 @@ import numpy as np
 from optax_accum._src import aux_reduction
 from optax_accum._src import axes
 from optax_accum._src import batching
+from optax_accum._src import compat
 from optax_accum._src import coupled_passes
 from optax_accum._src import fsdp
 from optax_accum._src import loss_signature
@@ -55,10 +56,10 @@ def _over_rows(collective: Callable[[jax.Array], jax.Array],
   along the features, so that two towers' representations (or their
   cotangents) travel in one all-gather (or reduce-scatter), not one each.
   Leaves sharded over other Explicit mesh axes (tensor parallelism) travel
-  one by one, on their local blocks (:func:`sharding.blockwise`).
+  one by one, on their local blocks (:func:`compat.blockwise`).
   """
   if any(sharding.explicit_spec(x) is not None for x in leaves):
-    return [sharding.blockwise(collective, x) for x in leaves]
+    return [compat.blockwise(collective, x) for x in leaves]
   groups = {}
   for i, leaf in enumerate(leaves):
     groups.setdefault(jnp.result_type(leaf), []).append(i)
@@ -123,7 +124,7 @@ def _local(c: _Coupled, params, inputs, lay) -> stages.Partials:
                   for t, r in zip(cotangents, sharded_like)]
   if axis_name is not None:
     cotangents = _over_rows(
-        lambda x: sharding.summed_in_float32(lambda y: lax.psum_scatter(
+        lambda x: compat.summed_in_float32(lambda y: lax.psum_scatter(
             y, axis_name, scatter_dimension=0, tiled=True), x),
         cotangents,
     )

@@ -103,11 +103,6 @@ def add(
   )
 
 
-def estimate(sums: StatsSums, mean_grads: Any, tokens: jax.Array) -> GradStats:
-  """The statistics from the sums, the mean gradient and its token count."""
-  return estimate_from_norm(sums, sq_norm(mean_grads), tokens)
-
-
 def estimate_from_norm(
     sums: StatsSums, mean_sq_norm: jax.Array, tokens: jax.Array
 ) -> GradStats:

@@ -161,24 +161,18 @@ def _stack_over_devices(program: stages.Program, stacked: Any) -> Any:
   return jax.tree.map(expand, stacked)
 
 
-def _refuse_manual_annotation(error: ValueError,
-                              axis_name: axes.AxisName) -> None:
-  """Our error for a ``loss_fn`` that names a data axis made Manual here."""
-  text = str(error)
-  if "Manual" not in text or not any(
-      f"'{a}'" in text or f"name: {a} " in text
-      for a in axes.axes_of(axis_name)):
-    return
-  raise ValueError(
-      f"loss_fn names the data axis {axis_name!r} in a sharding annotation,"
-      " but on a mesh with Auto axes optax_accum runs the micro-batch loop"
-      " in a jax.shard_map over the data axes, where they are Manual and"
-      " loss_fn sees one device's shard. Make the mesh's axes Explicit"
-      " (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))): the loop"
-      " then runs loss_fn as jax.jit(jax.value_and_grad(loss_fn)) does,"
-      " annotations included. Or drop the annotations that name the data"
-      f" axes. (JAX said: {text.splitlines()[0][:200]})"
-  ) from error
+def _manual_axes_note(axis_name: axes.AxisName) -> str:
+  """The hint added to an error raised inside :func:`over_mesh`'s loop."""
+  return (
+      f"optax_accum: on a mesh with Auto axes the micro-batch loop runs in a"
+      f" jax.shard_map over the data axes {axis_name!r}, where they are"
+      " Manual and loss_fn sees one device's shard. If loss_fn names them in"
+      " a sharding annotation (out_sharding=, jax.sharding.reshard), make"
+      " the mesh's axes Explicit (jax.make_mesh(..., axis_types="
+      "(AxisType.Explicit, ...))): the loop then runs loss_fn as"
+      " jax.jit(jax.value_and_grad(loss_fn)) does, annotations included."
+      " Or drop the annotations that name the data axes."
+  )
 
 
 def over_mesh(program: stages.Program, settings: Settings, params: Any,
@@ -210,8 +204,8 @@ def over_mesh(program: stages.Program, settings: Settings, params: Any,
     try:
       result = on_device(program, settings, params,
                          replicated._replace(batch=batch))
-    except ValueError as e:
-      _refuse_manual_annotation(e, axis_name)
+    except ValueError as e:  # JAX's, kept: the hint is a note.
+      e.add_note(_manual_axes_note(axis_name))
       raise
     aux = result.aux._replace(
         stacked=_stack_over_devices(program, result.aux.stacked))

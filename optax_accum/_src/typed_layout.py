@@ -26,10 +26,8 @@ loop calls either through one :class:`Layout`. Per parameter leaf:
   each micro-batch's whole value). JAX reduces their gradient inside the
   loop, for each micro-batch; their sum is an ordinary replicated array.
 
-JAX refuses arithmetic between an unreduced array and a replicated scalar,
-and has no unreduced rule for ``where``: the weighted add runs on each
-device's own blocks in a :func:`jax.shard_map` over every mesh axis
-(:func:`unreduced_sums.run_local`), where a partial is a plain array.
+The weighted add runs on each device's own partials
+(:func:`compat.add_to_partials`): JAX has no unreduced rule for it yet.
 """
 
 from typing import Any, NamedTuple
@@ -40,11 +38,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import axes
+from optax_accum._src import compat
 from optax_accum._src import fsdp
 from optax_accum._src import grad_reduction as grad_reduction_lib
 from optax_accum._src import sharding
 from optax_accum._src import token_weighting
-from optax_accum._src import unreduced_sums
 
 
 class Layout(NamedTuple):
@@ -190,28 +188,7 @@ def _as_partial(g: Any, spec: P) -> Any:
   """
   if sharding.full_spec(g) == spec:
     return g
-  return cast_unreduced(g, spec)
-
-
-def cast_unreduced(x: Any, spec: P) -> Any:
-  """A value the same on every device, typed ``spec`` (unreduced): its
-  partitions first, then each device's partial, the value on the first
-  device of the unreduced axes and zeros on the others.
-
-  Written out on each device's blocks: one reshard that changes both
-  aborts XLA (see :func:`reduced_fallbacks.check_casts`), and jax 0.9's
-  reshard to unreduced kept the value on every device.
-  """
-  plain = P(*sharding.partitions(spec))
-  if sharding.partitions(sharding.full_spec(x)) != sharding.partitions(spec):
-    x = jax.sharding.reshard(x, plain)
-  over = tuple(sorted(spec.unreduced))
-
-  def partial(v):
-    first = unreduced_sums.is_first_device(over)
-    return jnp.where(first, v, jnp.zeros_like(v))
-
-  return unreduced_sums.run_local(partial, (x,), spec)
+  return compat.cast_unreduced(g, spec)
 
 
 def gathered(lay: Layout, tree: Any) -> Any:
@@ -241,26 +218,6 @@ def as_sums(lay: Layout, grads: Any) -> Any:
   ])
 
 
-def _weighted_add(grads: list[Any], sums: list[Any],
-                  c: token_weighting.Contribution) -> list[Any]:
-  """``sum + weight * g`` on each device's own partials, in one shard_map.
-
-  JAX types neither a replicated weight times an unreduced array nor
-  ``where`` on one (and jax 0.9 not even a reduced weight times one), so
-  each device weighs its own partial as a plain array: a micro-batch that
-  is not kept adds zeros, its partials never looked at.
-  """
-  if not grads:
-    return []
-
-  def local(grads, sums, c):
-    return [s + token_weighting.weighted(g, c, s.dtype)
-            for g, s in zip(grads, sums)]
-
-  return unreduced_sums.run_local(
-      local, (grads, sums, c), [sharding.full_spec(s) for s in sums])
-
-
 def add_grads(lay: Layout, total: Any, grads: Any,
               c: token_weighting.Contribution, rules=None) -> Any:
   """Adds one micro-batch's weighted gradient to the running sums.
@@ -284,8 +241,10 @@ def add_grads(lay: Layout, total: Any, grads: Any,
         jnp.shape(g), s.dtype, out_sharding=sharding.full_spec(g))
     local.append((i, g, base))
   if local:
-    new = _weighted_add([g for _, g, _ in local], [b for _, _, b in local],
-                        c)
+    new = compat.add_to_partials(
+        lambda gs, bs: [b + token_weighting.weighted(g, c, b.dtype)
+                        for g, b in zip(gs, bs)],
+        [g for _, g, _ in local], [b for _, _, b in local])
     for (i, _, _), value in zip(local, new):
       if _syncs_in_loop(lay, i):
         value = sums[i] + jax.sharding.reshard(
@@ -314,7 +273,7 @@ def finish(lay: Layout, total: Any) -> Any:
       return jax.sharding.reshard(s, lay.targets[i])
     if lay.reduced[i]:  # a reduce-scatter over the axes that shard it.
       return jax.sharding.reshard(s, _unreduced_over_rest(lay, i))
-    return cast_unreduced(s, _unreduced_over_rest(lay, i))
+    return compat.cast_unreduced(s, _unreduced_over_rest(lay, i))
 
   return lay.treedef.unflatten(
       [finished(i, s) for i, s in enumerate(_leaves(lay, total))])
