@@ -147,13 +147,14 @@ def _on_own_partials(fn: Callable[..., Any], args: tuple[Any, ...],
   )(*args)
 
 
-def add_to_partials(add: Callable[[list[Any], list[Any]], list[Any]],
-                    grads: list[Any], sums: list[Any]) -> list[Any]:
-  """``add(grads, sums)`` on each device's own partials (unreduced arrays).
+def add_to_partials(add: Callable[..., list[Any]], grads: list[Any],
+                    sums: list[Any], weight: Any) -> list[Any]:
+  """``add(grads, sums, weight)`` on each device's own partials.
 
-  ``add`` sees plain arrays, a device's partial of each leaf, and returns
-  the new sums: the typed loop's weighted add ``sum + weight * g``, which
-  zeroes a micro-batch without tokens (its partial never looked at).
+  ``add`` sees plain arrays, a device's partial of each unreduced leaf, and
+  the (replicated) ``weight``, and returns the new sums: the typed loop's
+  weighted add ``sum + weight * g``, which zeroes a micro-batch without
+  tokens (its partial never looked at).
 
   Workaround: JAX has no unreduced rule for a product of an unreduced
   array with a replicated scalar, nor for ``where`` (jax 0.9 refuses even
@@ -163,7 +164,8 @@ def add_to_partials(add: Callable[[list[Any], list[Any]], list[Any]],
   """
   if not grads:
     return []
-  return _on_own_partials(add, (grads, sums), [_spec(s) for s in sums])
+  return _on_own_partials(add, (grads, sums, weight),
+                          [_spec(s) for s in sums])
 
 
 def cast_unreduced(x: Any, spec: P) -> Any:

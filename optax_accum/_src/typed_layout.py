@@ -242,9 +242,9 @@ def add_grads(lay: Layout, total: Any, grads: Any,
     local.append((i, g, base))
   if local:
     new = compat.add_to_partials(
-        lambda gs, bs: [b + token_weighting.weighted(g, c, b.dtype)
-                        for g, b in zip(gs, bs)],
-        [g for _, g, _ in local], [b for _, _, b in local])
+        lambda gs, bs, c: [b + token_weighting.weighted(g, c, b.dtype)
+                           for g, b in zip(gs, bs)],
+        [g for _, g, _ in local], [b for _, _, b in local], c)
     for (i, _, _), value in zip(local, new):
       if _syncs_in_loop(lay, i):
         value = sums[i] + jax.sharding.reshard(
