@@ -183,6 +183,7 @@ def _merged(x: Any, axis: int) -> Any:
 def split(
     batch: Any, batch_axes: Any, num_microbatches: int, *,
     sharded_layout_for_auto: bool = True,
+    known_axes: list[int | None] | None = None,
 ) -> Split:
   """Splits ``batch`` into ``num_microbatches`` micro-batches (no copy).
 
@@ -193,11 +194,13 @@ def split(
     sharded_layout_for_auto: whether Auto axes of the current mesh call for
       the strided layout (without ``axis_name``: XLA may shard the batch
       over them).
+    known_axes: the leaves' split axes, if :func:`leaf_axes` gave them
+      already (``batch_axes`` is then not read).
 
   Returns:
     A :class:`Split`; :func:`take` gives micro-batch ``i``.
   """
-  axes = leaf_axes(batch, batch_axes)
+  axes = leaf_axes(batch, batch_axes) if known_axes is None else known_axes
   size = split_size(batch, axes)
   check_divisible(size, num_microbatches)
   leaves, treedef = jax.tree.flatten(batch)

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 from jax import lax
+import jax.errors
 import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -31,6 +32,22 @@ def varying_axes_of(aval: Any) -> frozenset[str]:
   if vma is None:
     vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
   return frozenset(vma)
+
+
+def sharding_type_error() -> type[Exception]:
+  """The class of JAX's refusals of an operation on sharding types (a
+  ``reduced`` operand with one sharded over the same axes, and the like).
+
+  Workaround: jax 0.9 and 0.10 raise ``ShardingTypeError`` from a private
+  module, and it derives from neither ``TypeError`` nor
+  :class:`jax.errors.JAXTypeError`. Remove when :mod:`jax.errors` exports
+  it (then name it there).
+  """
+  public = getattr(jax.errors, "ShardingTypeError", None)
+  if public is not None:
+    return public
+  from jax._src import core  # pylint: disable=g-import-not-at-top
+  return core.ShardingTypeError
 
 
 def full(shape: tuple[int, ...], value: Any, dtype: Any,

@@ -2,8 +2,8 @@
 
 An entry point (:func:`optax_accum.value_and_grad`,
 :func:`optax_accum.coupled_value_and_grad`, the steps that
-:func:`optax_accum.plan_microbatches` compiles) is called in one of three
-forms:
+:func:`optax_accum.plan_microbatches` compiles) is called in one of four
+forms (told for users in ``docs/distributed.md``):
 
 * ``SINGLE``: no data axis to reduce over. One device, or :func:`jax.jit` of
   sharded inputs with XLA placing the collectives (no ``axis_name``), or an
@@ -15,7 +15,7 @@ forms:
   batch is sharded over (read off its type), or ``axis_name``'s. Nothing is
   made manual around ``loss_fn``: the parameters are typed ``reduced`` over
   the data axes and the loop sums ``unreduced`` gradients
-  (:mod:`typed_form`).
+  (:mod:`typed_layout`).
 * ``MESH``: ``axis_name`` names Auto axes of a mesh under :func:`jax.jit`:
   the mesh set by :func:`jax.set_mesh`, or, without it, the mesh that the
   inputs' types carry. The runner makes those axes manual for the length of
@@ -48,9 +48,10 @@ MESH = "mesh"
 class Form(NamedTuple):
   """How one call runs: its kind, its data axes and the mesh to enter."""
 
-  kind: str  # SINGLE, MANUAL or MESH.
+  kind: str  # SINGLE, MANUAL, TYPED or MESH.
   axis_name: axes.AxisName | None  # the data axes reduced over, or None.
   enter: Any  # an AbstractMesh read off the inputs, to enter; or None.
+  leaf_axes: list[int | None]  # the batch leaves' split axes.
 
 
 def _mesh_of(leaf: Any) -> Any:
@@ -143,13 +144,13 @@ def detect(axis_name: axes.AxisName | None, params: Any, batch: Any,
   ``leaf_axes`` are the batch leaves' split axes (:func:`batching.leaf_axes`).
   """
   if axis_name is not None and axes.is_bound(axis_name):
-    return Form(MANUAL, axis_name, None)
+    return Form(MANUAL, axis_name, None, leaf_axes)
   mesh, enter = current_mesh(params, batch)
   typed = batch_data_axes(batch, leaf_axes)
   if axis_name is None:
     if typed:
-      return Form(TYPED, _name(typed), enter)
-    return Form(SINGLE, None, enter)
+      return Form(TYPED, _name(typed), enter, leaf_axes)
+    return Form(SINGLE, None, enter, leaf_axes)
   sizes = {} if mesh is None else _sizes(mesh)
   manual = set(getattr(mesh, "manual_axes", ()) or ())
   missing = [a for a in axes.axes_of(axis_name)
@@ -173,10 +174,10 @@ def detect(axis_name: axes.AxisName | None, params: Any, batch: Any,
         " batch)."
     )
   if not active:
-    return Form(SINGLE, None, enter)
+    return Form(SINGLE, None, enter, leaf_axes)
   if _explicit(mesh, active):
-    return Form(TYPED, _name(active), enter)
-  return Form(MESH, _name(active), enter)
+    return Form(TYPED, _name(active), enter, leaf_axes)
+  return Form(MESH, _name(active), enter, leaf_axes)
 
 
 def entered(form: Form) -> contextlib.AbstractContextManager:
