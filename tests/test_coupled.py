@@ -349,7 +349,7 @@ def test_shard_map_with_fsdp_params_takes_param_specs():
 
   _assert_close(step(param_specs=specs)(_params(), _data(batch=32)),
                 _expected(32))
-  with pytest.raises(ValueError, match=(
+  with pytest.raises(TypeError, match=(  # JAX's, with our note.
       r"\(params\['wa'\]\) with param_specs=None\. If they are shards")):
     step()(_params(), _data(batch=32))
 

@@ -25,22 +25,23 @@ def _detect(axis_name, batch, params=None):
 
 
 def test_no_axis_on_host_inputs_is_single_with_no_mesh_to_enter():
-  assert _detect(None, np.ones(4)) == forms.Form(forms.SINGLE, None, None)
+  assert _detect(None, np.ones(4)) == forms.Form(forms.SINGLE, None, None, [0])
 
 
 def test_an_auto_mesh_axis_is_mesh_and_an_explicit_one_typed():
   with jax.set_mesh(_mesh((2, 4), ("data", "model"), AxisType.Auto)):
-    assert _detect("data", np.ones(8)) == forms.Form(forms.MESH, "data", None)
+    assert _detect("data", np.ones(8)) == forms.Form(
+        forms.MESH, "data", None, [0])
   with jax.set_mesh(_mesh((2, 4), ("data", "model"))):
-    assert _detect("data", np.ones(8)) == forms.Form(forms.TYPED, "data",
-                                                     None)
+    assert _detect("data", np.ones(8)) == forms.Form(
+        forms.TYPED, "data", None, [0])
 
 
 def test_a_batch_sharded_over_explicit_axes_is_typed_without_axis_name():
   mesh = _mesh((2, 4), ("data", "model"))
   with jax.set_mesh(mesh):
     batch = jax.device_put(jnp.ones((8, 3)), P("data"))
-    assert _detect(None, batch) == forms.Form(forms.TYPED, "data", None)
+    assert _detect(None, batch) == forms.Form(forms.TYPED, "data", None, [0])
     with pytest.raises(ValueError, match=(
         r"axis_name='model' does not name the mesh axes that the batch is"
         r" sharded over along its batch axis, \['data'\]")):
@@ -88,7 +89,7 @@ def test_a_manual_axis_is_manual():
 
   jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(
       jnp.ones(8))
-  assert seen == [forms.Form(forms.MANUAL, "data", None)]
+  assert seen == [forms.Form(forms.MANUAL, "data", None, [0])]
 
 
 # Auto axes, a batch sharded over them, no axis_name: a warning, once.

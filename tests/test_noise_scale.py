@@ -28,6 +28,7 @@ import pytest
 import helpers
 import optax_accum as oa
 from optax_accum._src import noise_scale
+from optax_accum._src import reduced_fallbacks
 from optax_accum._src import token_weighting
 
 SEQ, DIM = 4, 8
@@ -69,7 +70,8 @@ def _estimate(grads, tokens, loss_reduction="mean", drop=None):
     grad_sum = token_weighting.add(grad_sum, handed, c)
     token_count = token_count + c.tokens
   mean = token_weighting.mean(grad_sum, token_count, grad_sum)
-  return noise_scale.estimate(sums, {"w": mean}, token_count)
+  return noise_scale.estimate_from_norm(
+      sums, noise_scale.sq_norm({"w": mean}), token_count)
 
 
 def _assert_stats_close(stats, expected, rtol=1e-4):
@@ -387,17 +389,79 @@ def test_value_and_grad_in_shard_map_equals_one_device():
 
 
 def test_value_and_grad_with_explicit_axes_equals_one_device():
-  """Explicit axes: the small batches are the K global micro-batches, each
-  the i-th block of every device's rows."""
+  """Explicit axes, every leaf typed reduced: the small batches are each
+  device's rows of each micro-batch (SPEC 6), K * N of them, as in
+  shard_map; none of them is reduced over devices to take its norm."""
   batch, params = _data(), _params()
+  _, _, expected = jax.jit(_value_and_grad(K * N))(params, batch)
+  mesh = _mesh(AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    args = jax.device_put(params, P()), jax.device_put(batch, P("data"))
+    fn = jax.jit(_value_and_grad(K))
+    _, _, stats = fn(*args)
+    compiled = fn.lower(*args).compile()
+    plain = jax.jit(oa.value_and_grad(
+        mean_loss, num_microbatches=K, num_tokens_fn=helpers.num_tokens)
+    ).lower(*args).compile()
+  helpers.assert_trees_close(stats, expected, rtol=1e-5)
+  rows = helpers.split(batch, K * N)  # device d's i-th block: d * K + i.
+  assert stats.num_microbatches == sum(helpers.num_tokens(r) > 0 for r in rows)
+  # No gradient-sized collective in the loop, and the same reduction after
+  # it as without statistics: only scalars are added.
+  with_stats = helpers.reduction_bytes(compiled, mesh, ("data",))
+  assert with_stats == helpers.reduction_bytes(plain, mesh, ("data",))
+  assert with_stats["loop"] == 0
+  assert helpers.loop_collectives_by_axes(
+      compiled, (N,), ("data",), include_scalars=False) == {}
+
+
+def _fallback_loss(params, batch):
+  """mean_loss with ``x @ w1 + b1`` written plainly: JAX cannot type ``b1``
+  reduced, so it falls back (reduced by JAX in every micro-batch)."""
+  hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+  losses = batch["mask"] * (hidden @ params["w2"] - batch["y"]) ** 2
+  return helpers.safe_mean(losses, batch)
+
+
+def _fallback_sum_loss(params, batch):
+  return _fallback_loss(params, batch) * helpers.num_tokens(batch)
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_explicit_axes_fallback_leaves_take_the_micro_batches(
+    loss_reduction):
+  """SPEC 6: a reduced leaf's small batches are each device's rows of each
+  micro-batch; a fallback leaf's (``b1``) the micro-batches themselves;
+  trace and squared norm add over the two groups."""
+  batch, params = _data(), _params()
+
+  def brute_force(microbatches, names):
+    grads, tokens = [], []
+    for mb in microbatches:
+      g = jax.grad(_fallback_loss)(params, mb)
+      grads.append(ravel_pytree({n: g[n] for n in names})[0])
+      tokens.append(helpers.num_tokens(mb))
+    return _brute_force(np.stack(grads), tokens)
+
+  rows = helpers.split(batch, K * N)  # device d's i-th block: d * K + i.
   blocked = jax.tree.map(
       lambda x: x.reshape((N, K, -1) + x.shape[1:]).swapaxes(0, 1).reshape(
           x.shape), batch)
-  _, _, expected = jax.jit(_value_and_grad(K))(params, blocked)
+  reduced = brute_force(rows, ("w1", "w2"))
+  fallback = brute_force(helpers.split(blocked, K), ("b1",))
+  trace = reduced[0] + fallback[0]
+  grad_sq = reduced[1] + fallback[1]
+  loss = _fallback_loss if loss_reduction == "mean" else _fallback_sum_loss
+  fn = oa.value_and_grad(loss, num_microbatches=K, with_stats=True,
+                         num_tokens_fn=helpers.num_tokens,
+                         loss_reduction=loss_reduction)
   with jax.set_mesh(_mesh(AxisType.Explicit)):
-    _, _, stats = jax.jit(_value_and_grad(K))(
-        jax.device_put(params, P()), jax.device_put(batch, P("data")))
-  helpers.assert_trees_close(stats, expected, rtol=1e-5)
+    with reduced_fallbacks.collecting() as reports:
+      _, _, stats = jax.jit(fn)(jax.device_put(params, P()),
+                                jax.device_put(batch, P("data")))
+  assert reports[-1].fallback_leaves == ("params['b1']",)
+  _assert_stats_close(stats, (trace, grad_sq, trace / grad_sq))
+  assert stats.num_microbatches == sum(helpers.num_tokens(r) > 0 for r in rows)
 
 
 def test_accumulate_in_shard_map_equals_one_device():

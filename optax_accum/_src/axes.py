@@ -17,6 +17,8 @@ from jax import lax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
+from optax_accum._src import compat
+
 AxisName = str | tuple[str, ...]
 
 
@@ -27,10 +29,7 @@ def axes_of(axis_name: AxisName) -> tuple[str, ...]:
 def varying_axes(x: Any) -> frozenset[str]:
   """The manual axes over which ``x`` (or a ShapeDtypeStruct) may vary."""
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  vma = getattr(aval, "vma", None)  # jax < 0.9.
-  if vma is None:
-    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
-  return frozenset(vma)
+  return compat.varying_axes_of(aval)
 
 
 def is_bound(axis_name: AxisName) -> bool:

@@ -11,25 +11,21 @@ micro-batches, holding one micro-batch's activations at a time.
 
 from collections.abc import Callable
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
-from jax import lax
 import jax.numpy as jnp
-import numpy as np
 
 from optax_accum._src import aux_reduction
 from optax_accum._src import axes
 from optax_accum._src import batching
 from optax_accum._src import coupled_passes
 from optax_accum._src import fsdp
+from optax_accum._src import layout
 from optax_accum._src import loss_signature
 from optax_accum._src import microbatch_rng
 from optax_accum._src import runner
-from optax_accum._src import sharding
 from optax_accum._src import stages
-from optax_accum._src import typed_layout
 from optax_accum._src import validation
 
 
@@ -43,36 +39,6 @@ def _microbatch_keys(rng: Any, num_microbatches: int,
   )
 
 
-def _axis_size(axis_name: axes.AxisName) -> int:
-  return math.prod(lax.axis_size(a) for a in axes.axes_of(axis_name))
-
-
-def _over_rows(collective: Callable[[jax.Array], jax.Array],
-               leaves: list[jax.Array]) -> list[jax.Array]:
-  """Applies a collective over rows to ``leaves``: one call per dtype.
-
-  Leaves of a dtype are flattened to ``(rows, features)`` and concatenated
-  along the features, so that two towers' representations (or their
-  cotangents) travel in one all-gather (or reduce-scatter), not one each.
-  Leaves sharded over other Explicit mesh axes (tensor parallelism) travel
-  one by one, on their local blocks (:func:`sharding.blockwise`).
-  """
-  if any(sharding.explicit_spec(x) is not None for x in leaves):
-    return [sharding.blockwise(collective, x) for x in leaves]
-  groups = {}
-  for i, leaf in enumerate(leaves):
-    groups.setdefault(jnp.result_type(leaf), []).append(i)
-  out = [None] * len(leaves)
-  for members in groups.values():
-    flat = [jnp.reshape(leaves[i], (jnp.shape(leaves[i])[0], -1))
-            for i in members]
-    packed = collective(jnp.concatenate(flat, axis=1))
-    ends = np.cumsum([f.shape[1] for f in flat])[:-1]
-    for i, part in zip(members, jnp.split(packed, ends, axis=1)):
-      out[i] = part.reshape(packed.shape[:1] + jnp.shape(leaves[i])[1:])
-  return out
-
-
 class _Coupled(NamedTuple):
   """The settings of one coupled_value_and_grad."""
 
@@ -84,60 +50,35 @@ class _Coupled(NamedTuple):
   batch_axes: Any
 
 
-def _local(c: _Coupled, params, inputs, lay) -> stages.Partials:
-  """Loss, aux and this device's gradient sum, before any reduction.
+def _local(c: _Coupled, params, inputs, lay: layout.Layout) -> stages.Partials:
+  """Loss, aux and the gradient sum, before the one reduction.
 
-  With a data axis the loss is the mean of the devices' losses on the
-  gathered representations, so each device's share (loss, direct gradient,
-  representation cotangent) is divided by the number of devices; the
-  reduce-scatter sums the cotangents of each device's rows.
+  With data axes made manual (``lay.num_devices > 1``) the loss is the mean
+  of the devices' losses on the gathered representations, so each device's
+  share (loss, direct gradient, representation cotangent) is divided by the
+  number of devices; the reduce-scatter sums the cotangents of each
+  device's rows.
   """
-  # Under a typed layout the loop sees global values: nothing to gather.
-  axis_name = lay.axis_name if isinstance(lay, fsdp.Layout) else None
   k = c.num_microbatches
-  batch_split = batching.split(inputs.batch, c.batch_axes, k,
-                               sharded_layout_for_auto=lay is None)
-  keys = _microbatch_keys(inputs.rng, k, axis_name)
+  batch_split = lay.split(inputs.batch, k)
+  keys = _microbatch_keys(inputs.rng, k, lay.device_axis)
   reps = coupled_passes.encode_all(
       c.encode_fn, params, batch_split, keys, inputs.args)
-  devices = 1
-  batch, loss_params, sharded_like = inputs.batch, params, None
-  if axis_name is not None:
-    devices = _axis_size(axis_name)
-    leaves, treedef = jax.tree.flatten(reps)
-    reps = treedef.unflatten(_over_rows(
-        lambda x: lax.all_gather(x, axis_name, axis=0, tiled=True), leaves
-    ))
-  elif isinstance(lay, typed_layout.Layout):
-    # The loss sees the whole batch's representations on every device, as
-    # under shard_map; its direct gradient is the replicated parameters'.
-    sharded_like = coupled_passes.floating_leaves(reps)
-    reps, batch = typed_layout.gathered(lay, (reps, batch))
-    loss_params = typed_layout.replicated(lay, params)
+  own_rows = coupled_passes.floating_leaves(reps)
+  reps, batch = lay.gather_rows(reps, inputs.batch)
   out = coupled_passes.loss_on_reps(
-      c.loss_fn, c.has_aux, loss_params, reps, batch, inputs.args
+      c.loss_fn, c.has_aux, lay.loss_params(params), reps, batch, inputs.args
   )
-  cotangents = out.cotangents
-  if sharded_like is not None:
-    cotangents = [jax.sharding.reshard(t, sharding.full_spec(r))
-                  for t, r in zip(cotangents, sharded_like)]
-  if axis_name is not None:
-    cotangents = _over_rows(
-        lambda x: sharding.summed_in_float32(lambda y: lax.psum_scatter(
-            y, axis_name, scatter_dimension=0, tiled=True), x),
-        cotangents,
-    )
+  cotangents = lay.scatter_rows(out.cotangents, own_rows)
+  devices = lay.num_devices
   if devices > 1:
     cotangents = [t / devices for t in cotangents]
     direct = jax.tree.map(lambda g: g / devices, out.direct)
   else:
     direct = out.direct
   cotangents = [batching.split_rows(t, batch_split) for t in cotangents]
-  init = jax.tree.map(lambda g: g.astype(c.accumulator_dtype), direct)
-  if axis_name is not None:
-    init = axes.device_local(init, axis_name)
-  elif isinstance(lay, typed_layout.Layout):
-    init = typed_layout.as_sums(lay, init)
+  init = lay.as_sums(jax.tree.map(
+      lambda g: g.astype(c.accumulator_dtype), direct))
   grad_sum = coupled_passes.pull_back(
       c.encode_fn, params, batch_split, keys, cotangents, init, inputs.args
   )
@@ -146,8 +87,9 @@ def _local(c: _Coupled, params, inputs, lay) -> stages.Partials:
                          maxima=[], minima=[], means=None, rest=out.aux)
 
 
-def _finalize(partials: stages.Partials, params, sq_norm) -> stages.Result:
-  del sq_norm  # no statistics here.
+def _finalize(partials: stages.Partials, params,
+              lay: layout.Layout) -> stages.Result:
+  del lay  # no statistics here.
   grads = jax.tree.map(
       lambda s, p: s.astype(jnp.result_type(p)), partials.grads, params)
   return stages.Result(
@@ -265,7 +207,7 @@ def coupled_value_and_grad(
   )
   program = stages.Program(
       local=functools.partial(_local, coupled), finalize=_finalize,
-      aux_axis=0, new_aux_axis=True, coupled=True)
+      aux_axis=0, new_aux_axis=True)
   settings = runner.Settings(
       validation.check_axis_name(axis_name), num_microbatches,
       coupled.batch_axes, fsdp.check_param_specs(param_specs), fsdp.Policy())

@@ -2,8 +2,8 @@
 
 An entry point (:func:`optax_accum.value_and_grad`,
 :func:`optax_accum.coupled_value_and_grad`, the steps that
-:func:`optax_accum.plan_microbatches` compiles) is called in one of three
-forms:
+:func:`optax_accum.plan_microbatches` compiles) is called in one of four
+forms (told for users in ``docs/distributed.md``):
 
 * ``SINGLE``: no data axis to reduce over. One device, or :func:`jax.jit` of
   sharded inputs with XLA placing the collectives (no ``axis_name``), or an
@@ -15,7 +15,7 @@ forms:
   batch is sharded over (read off its type), or ``axis_name``'s. Nothing is
   made manual around ``loss_fn``: the parameters are typed ``reduced`` over
   the data axes and the loop sums ``unreduced`` gradients
-  (:mod:`typed_form`). Only on a mesh whose axes are all Explicit: on one
+  (:mod:`typed_layout`). Only on a mesh whose axes are all Explicit: on one
   that mixes in Auto or Manual axes the call is refused
   (:func:`refuse_mixed_axis_types`).
 * ``MESH``: ``axis_name`` names Auto axes of a mesh under :func:`jax.jit`:
@@ -54,6 +54,7 @@ class Form(NamedTuple):
   kind: str  # SINGLE, MANUAL, TYPED or MESH.
   axis_name: axes.AxisName | None  # the data axes reduced over, or None.
   enter: Any  # an AbstractMesh read off the inputs, to enter; or None.
+  leaf_axes: list[int | None]  # the batch leaves' split axes.
 
 
 def _mesh_of(leaf: Any) -> Any:
@@ -146,15 +147,15 @@ def detect(axis_name: axes.AxisName | None, params: Any, batch: Any,
   ``leaf_axes`` are the batch leaves' split axes (:func:`batching.leaf_axes`).
   """
   if axis_name is not None and axes.is_bound(axis_name):
-    return Form(MANUAL, axis_name, None)
+    return Form(MANUAL, axis_name, None, leaf_axes)
   mesh, enter = current_mesh(params, batch)
   typed = batch_data_axes(batch, leaf_axes)
   if axis_name is None:
     if typed:
       refuse_mixed_axis_types(mesh, typed, None)
-      return Form(TYPED, _name(typed), enter)
+      return Form(TYPED, _name(typed), enter, leaf_axes)
     warn_auto_batch(mesh, batch, leaf_axes)
-    return Form(SINGLE, None, enter)
+    return Form(SINGLE, None, enter, leaf_axes)
   sizes = {} if mesh is None else _sizes(mesh)
   manual = set(getattr(mesh, "manual_axes", ()) or ())
   missing = [a for a in axes.axes_of(axis_name)
@@ -178,11 +179,11 @@ def detect(axis_name: axes.AxisName | None, params: Any, batch: Any,
         " batch)."
     )
   if not active:
-    return Form(SINGLE, None, enter)
+    return Form(SINGLE, None, enter, leaf_axes)
   if _explicit(mesh, active):
     refuse_mixed_axis_types(mesh, active, axis_name)
-    return Form(TYPED, _name(active), enter)
-  return Form(MESH, _name(active), enter)
+    return Form(TYPED, _name(active), enter, leaf_axes)
+  return Form(MESH, _name(active), enter, leaf_axes)
 
 
 def _types(mesh: Any) -> dict[str, str]:

@@ -1,12 +1,13 @@
-"""The scan over micro-batches: running sums of one device's micro-batches.
+"""The scan over micro-batches: running sums of the loop's micro-batches.
 
 :func:`program` gives the runner (:mod:`runner`) this module's stages: *local*
-runs :func:`loop` on one device's batch and hands its sums over as
-:class:`stages.Partials`; *finalize* turns the reduced sums into the means
-(:func:`finish`). The sums follow the
+runs :func:`loop` on the loop's batch (one device's, or the global one) and
+hands its sums over as :class:`stages.Partials`; *finalize* turns the
+reduced sums into the means (:func:`finish`). The sums follow the
 token-weighting rule of ``token_weighting``; aux is stacked or reduced in the
 carry (``aux_reduction``); the noise-scale sums ride along with
-``with_stats``.
+``with_stats``. Where parameters are held and gradients summed is the
+call's :class:`layout.Layout`'s business: the loop only calls it.
 """
 
 from collections.abc import Callable
@@ -20,15 +21,14 @@ from jax.sharding import PartitionSpec as P
 from optax_accum._src import aux_reduction as aux_reduction_lib
 from optax_accum._src import axes
 from optax_accum._src import batching
-from optax_accum._src import fsdp
 from optax_accum._src import grad_reduction as grad_reduction_lib
+from optax_accum._src import layout
 from optax_accum._src import loss_signature
 from optax_accum._src import microbatch_rng
 from optax_accum._src import noise_scale
 from optax_accum._src import sharding
 from optax_accum._src import stages
 from optax_accum._src import token_weighting
-from optax_accum._src import typed_layout
 from optax_accum._src import validation
 
 
@@ -39,7 +39,7 @@ class Sums(NamedTuple):
   loss: jax.Array  # shape=(), validation.scalar_sum_dtype.
   tokens: jax.Array  # shape=(), dtype=jnp.float32.
   aux: aux_reduction_lib.Running | None  # None when aux is only stacked.
-  stats: noise_scale.StatsSums | None  # None without with_stats.
+  stats: list[noise_scale.StatsSums] | None  # per group; None without.
 
 
 class AuxPlan(NamedTuple):
@@ -61,20 +61,14 @@ class LoopOut(NamedTuple):
 
 
 class Options(NamedTuple):
-  """The validated settings of one :func:`value_and_grad`."""
+  """What the loop reads of one :func:`value_and_grad`'s settings."""
 
   num_microbatches: int
-  has_aux: bool
-  has_state: bool
   num_tokens_fn: Callable[[Any], Any]  # token_weighting.count_fn's.
   loss_reduction: str
-  axis_name: axes.AxisName | None  # as given; the runner finds the form.
   accumulator_dtype: Any  # a dtype, or a tree prefix of params of them.
-  batch_axes: Any
   aux_reduction: Any
   with_stats: bool
-  param_specs: Any  # None, a PartitionSpec or a tree of them.
-  fsdp_policy: fsdp.Policy
   grad_reduction: Any = None  # None: every leaf "mean".
 
 
@@ -84,28 +78,10 @@ def _token_count(num_tokens_fn, microbatch):
   )
 
 
-Layout = fsdp.Layout | typed_layout.Layout
-
-
-def _ops(lay: Layout):
-  """The module that holds and sums under ``lay`` (the two share names)."""
-  return typed_layout if isinstance(lay, typed_layout.Layout) else fsdp
-
-
-def _is_manual(lay: Layout | None) -> bool:
-  """Whether the loop runs on one device's shard of a manual data axis."""
-  return isinstance(lay, fsdp.Layout)
-
-
-def _axis_of(lay: Layout | None) -> axes.AxisName | None:
-  """The manual data axes this device's loop runs over (None: global)."""
-  return lay.axis_name if _is_manual(lay) else None
-
-
-def _rng_for(inputs, index, lay):
+def _rng_for(inputs, index, lay: layout.Layout):
   if inputs.rng is None:
     return None
-  return microbatch_rng.key_for(inputs.rng, index, _axis_of(lay))
+  return microbatch_rng.key_for(inputs.rng, index, lay.device_axis)
 
 
 def _aux_plan(loss, opts, params_for, inputs, batch_split,
@@ -124,24 +100,19 @@ def _aux_plan(loss, opts, params_for, inputs, batch_split,
 
 
 def _zero_sums(params, opts: Options, plan: AuxPlan | None,
-               lay: Layout | None, rules) -> Sums:
+               lay: layout.Layout, rules) -> Sums:
   dtypes = validation.per_leaf_dtypes(opts.accumulator_dtype, params)
   scalar_dtype = validation.scalar_sum_dtype(opts.accumulator_dtype)
   sums = Sums(
-      # zeros_like keeps each parameter's sharding (model-parallel axes).
-      grads=grad_reduction_lib.start(jax.tree.map(
-          lambda p, dtype: jnp.zeros_like(p, dtype=dtype), params, dtypes
-      ) if lay is None else _ops(lay).zero_grads(lay, params, dtypes), rules),
+      grads=grad_reduction_lib.start(lay.zero_grads(params, dtypes), rules),
       loss=jnp.zeros([], scalar_dtype),
       tokens=jnp.zeros([], jnp.float32),
       aux=None if plan is None else aux_reduction_lib.init(
           plan.shapes, plan.reductions, scalar_dtype),
-      stats=noise_scale.zero_sums() if opts.with_stats else None,
+      stats=lay.zero_stats() if opts.with_stats else None,
   )
-  if _is_manual(lay):
-    # The sums are this device's partial sums: they differ by device.
-    sums = axes.device_local(sums, lay.axis_name)
-  return sums
+  # Under manual axes the sums are this device's: they differ by device.
+  return lay.device_local(sums)
 
 
 def check_num_real(num_real: Any, num_microbatches: int) -> jax.Array | None:
@@ -201,30 +172,18 @@ def _run_microbatches(step, init, num_microbatches, num_real):
   return lax.fori_loop(0, num_real, body, (init, stacked))
 
 
-def _summed(lay: Layout | None, grads: Any) -> Any:
-  """A micro-batch's gradient as a value (typed loop: reduced, for its norm)."""
-  if isinstance(lay, typed_layout.Layout):
-    return typed_layout.summed(lay, grads)
-  return grads
-
-
 def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
-         lay: Layout | None = None):
-  """The scan over this device's micro-batches: ``(sums, loop_out)``.
+         lay: layout.Layout):
+  """The scan over the loop's micro-batches: ``(sums, loop_out)``.
 
-  With an FSDP layout ``lay``, ``params`` are what :func:`fsdp.hold` keeps:
-  gathered for each micro-batch, and the gradients summed, as it says.
+  ``params`` are what ``lay.hold`` keeps: made whole for each micro-batch,
+  and the gradients summed, as ``lay`` says.
   """
 
   def params_for(index):
-    if lay is None:
-      return params
-    return _ops(lay).for_microbatch(lay, params, index)
+    return lay.for_microbatch(params, index)
 
-  batch_split = batching.split(
-      inputs.batch, opts.batch_axes, opts.num_microbatches,
-      sharded_layout_for_auto=lay is None,
-  )
+  batch_split = lay.split(inputs.batch, opts.num_microbatches)
   plan = _aux_plan(loss, opts, params_for, inputs, batch_split, lay)
   rules = grad_reduction_lib.per_leaf(opts.grad_reduction, params)
   value_and_grad_fn = jax.value_and_grad(loss, has_aux=True)
@@ -244,15 +203,13 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
       running, stacked = aux_reduction_lib.update(
           running, jax.tree.leaves(aux), plan.reductions, tokens)
     sums = Sums(
-        grads=grad_reduction_lib.add(sums.grads, grads, c, rules)
-        if lay is None
-        else _ops(lay).add_grads(lay, sums.grads, grads, c, rules),
+        grads=lay.add_grads(sums.grads, grads, c, rules),
         loss=sums.loss + token_weighting.weighted(value, c, sums.loss.dtype),
         tokens=sums.tokens + c.tokens,
         aux=running,
-        stats=None if sums.stats is None else noise_scale.add(
-            sums.stats, grad_reduction_lib.only_means(
-                _summed(lay, grads), rules), c, opts.loss_reduction),
+        stats=None if sums.stats is None else lay.add_stats(
+            sums.stats, grad_reduction_lib.only_means(grads, rules), c,
+            opts.loss_reduction, opts.num_tokens_fn, microbatch),
     )
     # The per-micro-batch losses only tell their dtype: XLA drops them.
     return (sums, model_state), (value, stacked)
@@ -263,21 +220,16 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
                inputs.model_state),
         opts.num_microbatches, inputs.num_real,
     )
-  if _is_manual(lay):
-    # The "max" leaves' pmax, once; the one sum over devices that follows
-    # then leaves them as they are.
-    sums = sums._replace(grads=grad_reduction_lib.max_over_devices(
-        sums.grads, rules, lay.axis_name, keep_on_one_device=True))
+  sums = sums._replace(grads=lay.after_loop(sums.grads, rules))
   return sums, LoopOut(model_state, values.dtype, stacked, plan, rules)
 
 
 def finish(sums: Sums, out: LoopOut, params,
-           sq_norm: Callable[[Any], jax.Array] = noise_scale.sq_norm,
-           ) -> stages.Result:
+           lay: layout.Layout) -> stages.Result:
   """The loss, gradient, aux and stats from the (device-reduced) sums.
 
-  ``sq_norm`` is the squared norm of a gradient tree: the sum over devices of
-  its shards' when the gradient comes back sharded (FSDP).
+  ``lay.sq_norms`` gives the squared norm of each stats group of a reduced
+  gradient (summed over its shards, if sharded).
   """
   grads = grad_reduction_lib.finish(sums.grads, sums.tokens, params,
                                     out.grad_rules)
@@ -286,8 +238,8 @@ def finish(sums: Sums, out: LoopOut, params,
     # The norm of the mean in the accumulator's precision, not the params'.
     exact = grad_reduction_lib.only_means(token_weighting.mean(
         sums.grads, sums.tokens, sums.grads), out.grad_rules)
-    stats = noise_scale.estimate_from_norm(
-        sums.stats, sq_norm(exact), sums.tokens)
+    stats = noise_scale.estimate_from_groups(
+        sums.stats, lay.sq_norms(exact), sums.tokens)
   loss = token_weighting.mean(
       sums.loss, sums.tokens, jnp.zeros([], out.loss_dtype))
   if out.plan is None:
@@ -314,7 +266,7 @@ def _partials(sums: Sums, out: LoopOut) -> stages.Partials:
 
 
 def _finalize(partials: stages.Partials, params,
-              sq_norm: Callable[[Any], jax.Array]) -> stages.Result:
+              lay: layout.Layout) -> stages.Result:
   """:func:`finish` on the (reduced) :class:`stages.Partials`."""
   loss, tokens, aux_sums, stats = partials.sums
   out = partials.rest._replace(model_state=partials.means)
@@ -323,7 +275,7 @@ def _finalize(partials: stages.Partials, params,
     running = aux_reduction_lib.join_extrema(
         aux_sums, out.plan.reductions, partials.maxima, partials.minima)
   sums = Sums(partials.grads, loss, tokens, running, stats)
-  return finish(sums, out, params, sq_norm)
+  return finish(sums, out, params, lay)
 
 
 def program(loss, opts: Options) -> stages.Program:
@@ -333,4 +285,4 @@ def program(loss, opts: Options) -> stages.Program:
     return _partials(*loop(loss, opts, params, inputs, lay))
 
   return stages.Program(local=local, finalize=_finalize, aux_axis=1,
-                        new_aux_axis=False, coupled=False)
+                        new_aux_axis=False)

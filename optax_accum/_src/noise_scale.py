@@ -103,25 +103,43 @@ def add(
   )
 
 
-def estimate(sums: StatsSums, mean_grads: Any, tokens: jax.Array) -> GradStats:
-  """The statistics from the sums, the mean gradient and its token count."""
-  return estimate_from_norm(sums, sq_norm(mean_grads), tokens)
-
-
 def estimate_from_norm(
     sums: StatsSums, mean_sq_norm: jax.Array, tokens: jax.Array
 ) -> GradStats:
   """The statistics from the sums, ``|g|^2`` and the token count ``N``."""
-  m = sums.num_microbatches
-  usable = m >= 2
-  big = tokens * mean_sq_norm
-  trace_cov = (sums.weighted_sq_norms - big) / jnp.where(usable, m - 1, 1.0)
-  safe_tokens = jnp.where(usable, tokens, 1.0)
-  grad_sq_norm = mean_sq_norm - trace_cov / safe_tokens
+  return estimate_from_groups([sums], [mean_sq_norm], tokens)
+
+
+def estimate_from_groups(
+    groups: list[StatsSums], mean_sq_norms: list[jax.Array],
+    tokens: jax.Array
+) -> GradStats:
+  """The statistics of leaves estimated in groups, each on its own small
+  batches: ``|G|^2`` and ``tr(Sigma)`` are sums over leaves, so each group's
+  unbiased estimate adds up to the whole's. ``num_microbatches`` is the
+  first group's count of small batches.
+
+  Args:
+    groups: each group's sums over its small batches.
+    mean_sq_norms: each group's ``|g|^2`` (its leaves of the mean gradient).
+    tokens: the token count ``N`` of the whole batch.
+  """
+  usable = jnp.array(True)
+  trace_cov = grad_sq_norm = jnp.zeros([], jnp.float32)
+  safe_tokens = jnp.where(tokens > 0, tokens, 1.0)
+  for sums, mean_sq_norm in zip(groups, mean_sq_norms):
+    m = sums.num_microbatches
+    usable = usable & (m >= 2)
+    big = tokens * mean_sq_norm
+    group_trace = (sums.weighted_sq_norms - big) / jnp.where(m >= 2, m - 1,
+                                                              1.0)
+    trace_cov += group_trace
+    grad_sq_norm += mean_sq_norm - group_trace / safe_tokens
   nan = jnp.float32(jnp.nan)
   return GradStats(
       noise_scale=jnp.where(usable, trace_cov / grad_sq_norm, nan),
       grad_sq_norm=jnp.where(usable, grad_sq_norm, nan),
       trace_cov=jnp.where(usable, trace_cov, nan),
-      num_microbatches=m,
+      num_microbatches=(groups[0].num_microbatches if groups
+                        else jnp.zeros([], jnp.float32)),
   )

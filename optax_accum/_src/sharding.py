@@ -15,6 +15,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import axes
+from optax_accum._src import compat
 
 
 def explicit_spec(x: Any) -> P | None:
@@ -89,76 +90,20 @@ def gather(x: Any, spec: P) -> Any:
   return x
 
 
-def _other_axes(x: Any) -> tuple[P, set[str]] | None:
-  """``x``'s spec and the non-manual Explicit axes it is sharded over."""
-  spec = explicit_spec(x)
-  if spec is None:
-    return None
-  manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
-  names = {n for e in spec if e is not None for n in axes.axes_of(e)}
-  names -= manual
-  return (spec, names) if names else None
-
-
-def blockwise(fn: Any, x: Any) -> Any:
-  """``fn(x)`` on the local blocks of ``x``'s sharding over other axes.
-
-  ``fn`` is a collective over manual (data) axes that keeps the shape of the
-  dimensions sharded over the other, Explicit mesh axes (tensor
-  parallelism). JAX cannot type some collectives of an operand that is
-  sharded over such axes (``psum_scatter`` in jax 0.10); making those axes
-  manual for the collective alone sidesteps that, and moves no data along
-  them.
-  """
-  found = _other_axes(x)
-  if found is None:
-    return fn(x)
-  spec, names = found
-  return jax.shard_map(fn, in_specs=spec, out_specs=spec,
-                       axis_names=names)(x)
-
-
-def summed_in_float32(collective: Any, tree: Any) -> Any:
-  """``collective(tree)``, a sum over devices, taken in float32 at least.
-
-  Leaves of a floating dtype narrower than float32 (bfloat16, float16) are
-  widened for the collective and narrowed after it. XLA aborts the process
-  (``Invalid binary instruction opcode copy``) compiling a bfloat16
-  all-reduce or reduce-scatter in a shard_map that leaves other mesh axes
-  automatic (a data x model mesh); a float32 sum also rounds once, not at
-  every device.
-  """
-  leaves, treedef = jax.tree.flatten(tree)
-  narrow = [axes.is_floating(x) and jnp.finfo(x.dtype).bits < 32
-            for x in leaves]
-  if not any(narrow):
-    return collective(tree)
-  wide = [x.astype(jnp.float32) if n else x for x, n in zip(leaves, narrow)]
-  out = jax.tree.leaves(collective(treedef.unflatten(wide)))
-  return treedef.unflatten([y.astype(x.dtype) if n else y
-                            for x, y, n in zip(leaves, out, narrow)])
+# partial_sums (accumulate's reduction) still reads it here.
+summed_in_float32 = compat.summed_in_float32
 
 
 def psum(tree: Any, axis_name: axes.AxisName) -> Any:
-  """:func:`jax.lax.psum` over ``axis_name``, safe on manual axes of size 1.
-
-  In a partially manual program XLA cannot partition an all-reduce over a
-  manual axis of size 1 whose operand is sharded over another, Explicit mesh
-  axis (``RET_CHECK failure ... Cross-partition allreduce must be in
-  (partial) manual partitioning mode``). The sum over such an axis moves no
-  data, but it makes the value the same on every device of it (its type
-  says so): it is taken leaf by leaf on the local blocks
-  (:func:`blockwise`), which XLA compiles. Axes of more than one device are
-  summed over in one collective, as :func:`jax.lax.psum` does.
-  """
+  """:func:`jax.lax.psum` over ``axis_name``, in float32 at least, and safe
+  on manual axes of size 1 (:func:`compat.psum_over_size1_axes`)."""
   names = axes.axes_of(axis_name)
   trivial = tuple(a for a in names if lax.axis_size(a) == 1)
   active = tuple(a for a in names if a not in trivial)
   if active:
-    tree = summed_in_float32(lambda t: lax.psum(t, active), tree)
+    tree = compat.summed_in_float32(lambda t: lax.psum(t, active), tree)
   if trivial:
-    tree = jax.tree.map(lambda x: blockwise(lambda y: summed_in_float32(
-        lambda z: lax.psum(z, trivial), y), x), tree)
+    tree = compat.psum_over_size1_axes(tree, trivial)
   return tree
 
 
@@ -166,8 +111,8 @@ def scatter(leaf: Any, spec: P) -> tuple[Any, set[str]]:
   """Reduce-scatters ``leaf`` into its shard; returns it and the axes used."""
   used = set()
   for dim, dim_axes in sharded_dims(spec):
-    leaf = blockwise(
-        lambda x, dim=dim, dim_axes=dim_axes: summed_in_float32(
+    leaf = compat.blockwise(
+        lambda x, dim=dim, dim_axes=dim_axes: compat.summed_in_float32(
             lambda y: lax.psum_scatter(
                 y, entry(dim_axes), scatter_dimension=dim, tiled=True), x),
         leaf)

@@ -3,10 +3,10 @@
 A call of an entry point runs these stages in order (see
 :mod:`optax_accum._src`'s code map):
 
-1. *local*: one device's work on its share of the batch (the micro-batch
-   loop, or gradient caching's two passes) gives :class:`Partials`;
-2. *reduce*: the runner sums them over the data axes, once (skipped without
-   one);
+1. *local*: the work on the loop's share of the batch (the micro-batch loop,
+   or gradient caching's two passes) gives :class:`Partials`;
+2. *reduce*: the call's :class:`layout.Layout` sums them over the data axes,
+   once (the identity without one);
 3. *finalize*: the means, aux and statistics, as a :class:`Result`.
 
 An entry point hands the runner a :class:`Program`: its *local* and
@@ -28,7 +28,7 @@ class Partials(NamedTuple):
   Without a data axis the runner hands them to *finalize* as they are.
   """
 
-  grads: Any  # per-device gradient sums: whole, or shards (fsdp.Layout).
+  grads: Any  # the gradient sums, laid out as the layout holds them.
   sums: Any  # summed over devices, with the gradient (loss, tokens, ...).
   maxima: list[Any]  # maximum over devices.
   minima: list[Any]  # minimum over devices.
@@ -49,12 +49,11 @@ class Result(NamedTuple):
 class Program(NamedTuple):
   """An entry point's own stages, run by the runner in every form.
 
-  ``local(params, inputs, layout)`` runs on one device's share of the batch
-  (``inputs.batch``); ``params`` are what :func:`fsdp.hold` keeps under a data
-  axis (``layout`` is then an :class:`fsdp.Layout`), the parameters
-  themselves without one (``layout`` None). ``finalize(partials, params,
-  sq_norm)`` turns the (reduced) partials into a :class:`Result`; ``sq_norm``
-  is the squared norm of a gradient tree shaped like ``params``.
+  ``local(held, inputs, layout)`` runs on the loop's share of the batch
+  (``inputs.batch``); ``held`` is what ``layout.hold(params)`` keeps, and
+  ``layout`` (a :class:`layout.Layout`) is how it sums and reduces.
+  ``finalize(partials, params, layout)`` turns the reduced partials into a
+  :class:`Result`.
   """
 
   local: Callable[..., Partials]
@@ -64,4 +63,3 @@ class Program(NamedTuple):
   # new_aux_axis).
   aux_axis: int
   new_aux_axis: bool
-  coupled: bool  # gradient caching: parameters held whole ("once" only).

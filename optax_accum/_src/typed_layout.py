@@ -1,4 +1,4 @@
-"""The loop's layout with sharding in types: reduced weights, unreduced sums.
+"""The layout of the ``typed`` form: reduced weights, unreduced sums.
 
 Under :func:`jax.jit` with Explicit data axes the loop runs ``loss_fn`` on
 the global micro-batch, as ``jax.jit(jax.value_and_grad(loss_fn))`` would
@@ -8,11 +8,7 @@ loop is a type (JAX's guide "Autodiff and sharding"): a parameter cast to
 ``unreduced`` cotangent, each device's partial sum. The loop carries those
 partials, and one :func:`jax.sharding.reshard` to the parameter's sharding
 after it is the reduction (an all-reduce, or a reduce-scatter for a
-parameter sharded over data axes).
-
-The functions mirror :mod:`fsdp`'s for the manual forms (``hold``,
-``for_microbatch``, ``zero_grads``, ``add_grads``, ``finish``), so that the
-loop calls either through one :class:`Layout`. Per parameter leaf:
+parameter sharded over data axes). Per parameter leaf:
 
 * *reduced* (the default): held whole, typed reduced over the data axes;
   its sum is unreduced. With ``gather_params="every_microbatch"`` a
@@ -26,10 +22,8 @@ loop calls either through one :class:`Layout`. Per parameter leaf:
   each micro-batch's whole value). JAX reduces their gradient inside the
   loop, for each micro-batch; their sum is an ordinary replicated array.
 
-JAX refuses arithmetic between an unreduced array and a replicated scalar,
-and has no unreduced rule for ``where``: the weighted add runs on each
-device's own blocks in a :func:`jax.shard_map` over every mesh axis
-(:func:`unreduced_sums.run_local`), where a partial is a plain array.
+:mod:`typed_build` decides which leaves are reduced. The weighted add runs
+on each device's own partials (:func:`compat.add_to_partials`).
 """
 
 from typing import Any, NamedTuple
@@ -40,21 +34,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import axes
+from optax_accum._src import batching
+from optax_accum._src import compat
 from optax_accum._src import fsdp
 from optax_accum._src import grad_reduction as grad_reduction_lib
+from optax_accum._src import noise_scale
 from optax_accum._src import sharding
 from optax_accum._src import token_weighting
-from optax_accum._src import unreduced_sums
-
-
-class Layout(NamedTuple):
-  """How the typed loop holds each parameter leaf and sums its gradient."""
-
-  axis_name: axes.AxisName  # the data axes (Explicit, each of size > 1).
-  treedef: Any  # the parameters' structure.
-  targets: list[P]  # per leaf: the gradient's spec (the parameter's).
-  reduced: list[bool]  # per leaf: cast reduced (else kept replicated).
-  policy: fsdp.Policy
 
 
 def _entries(spec: P, ndim: int) -> list[Any]:
@@ -96,235 +82,315 @@ def merged_spec(type_spec: P, data_spec: P | None, axis_name: axes.AxisName,
   ])
 
 
-def _data(lay: Layout) -> frozenset[str]:
-  return frozenset(axes.axes_of(lay.axis_name))
+def _laid_out(x: Any, axis: int | None, axis_name: axes.AxisName) -> Any:
+  """A batch leaf sharded over the data axes along ``axis`` (free)."""
+  if axis is None:
+    return x
+  entries = _entries(sharding.full_spec(x), jnp.ndim(x))
+  if entries[axis] is not None:
+    return x  # forms.detect checked that these are the data axes.
+  entries[axis] = axis_name
+  return jax.sharding.reshard(x, P(*entries))
 
 
-def whole_spec(lay: Layout, i: int, ndim: int, *, reduced: bool) -> P:
-  """Leaf ``i`` held whole over the data axes (its model axes kept)."""
-  entries = _drop(lay.targets[i], axes.axes_of(lay.axis_name), ndim)
-  return P(*entries, reduced=_data(lay) if reduced else frozenset())
+def _sq_norm_of_blocks(blocks: list[Any], specs: list[P],
+                       data: frozenset[str]) -> jax.Array:
+  """Inside a shard_map over every mesh axis: this device's share of the
+  squared norm of its partials (its blocks of each leaf, counted once over
+  the model axes that do not shard the leaf)."""
+  total = jnp.zeros([], jnp.float32)
+  for block, spec in zip(blocks, specs):
+    sharded = {n for e in sharding.partitions(spec) if e is not None
+               for n in axes.axes_of(e)}
+    copies = 1
+    for name in jax.sharding.get_abstract_mesh().axis_names:
+      if name not in sharded and name not in data:
+        copies *= lax.axis_size(name)
+    total += jnp.sum(jnp.square(block.astype(jnp.float32))) / copies
+  return total
 
 
-def _sharded(lay: Layout, i: int) -> bool:
-  return bool(data_axes_in(lay.targets[i], lay.axis_name))
+class TypedLayout(NamedTuple):
+  """How the typed loop holds each parameter leaf and sums its gradient."""
 
+  axis_name: axes.AxisName  # the data axes (Explicit, each of size > 1).
+  treedef: Any  # the parameters' structure.
+  targets: list[P]  # per leaf: the gradient's spec (the parameter's).
+  reduced: list[bool]  # per leaf: cast reduced (else kept replicated).
+  means: list[bool]  # per leaf: summed ("mean"): the noise scale's leaves.
+  policy: fsdp.Policy
+  leaf_axes: list[int | None]  # the batch leaves' split axes.
+  device_axis: None = None  # loss_fn sees the global micro-batch.
+  num_devices: int = 1
 
-def _gathers_in_loop(lay: Layout, i: int) -> bool:
-  return (lay.reduced[i] and _sharded(lay, i)
-          and lay.policy.gather_params == fsdp.EVERY_MICROBATCH)
+  # Per leaf: how it is held and summed.
 
+  def _data(self) -> frozenset[str]:
+    return frozenset(axes.axes_of(self.axis_name))
 
-def _syncs_in_loop(lay: Layout, i: int) -> bool:
-  return (lay.reduced[i] and _sharded(lay, i)
-          and lay.policy.gradient_sync == fsdp.EVERY_MICROBATCH)
+  def _whole_spec(self, i: int, ndim: int, *, reduced: bool) -> P:
+    """Leaf ``i`` held whole over the data axes (its model axes kept)."""
+    entries = _drop(self.targets[i], axes.axes_of(self.axis_name), ndim)
+    return P(*entries, reduced=self._data() if reduced else frozenset())
 
+  def _sharded(self, i: int) -> bool:
+    return bool(data_axes_in(self.targets[i], self.axis_name))
 
-def _unreduced_over_rest(lay: Layout, i: int) -> P:
-  """Sharded like the parameter, unreduced over the other data axes."""
-  rest = _data(lay) - set(data_axes_in(lay.targets[i], lay.axis_name))
-  return P(*sharding.partitions(lay.targets[i]), unreduced=rest)
+  def _gathers_in_loop(self, i: int) -> bool:
+    return (self.reduced[i] and self._sharded(i)
+            and self.policy.gather_params == fsdp.EVERY_MICROBATCH)
 
+  def _syncs_in_loop(self, i: int) -> bool:
+    return (self.reduced[i] and self._sharded(i)
+            and self.policy.gradient_sync == fsdp.EVERY_MICROBATCH)
 
-def sum_spec(lay: Layout, i: int, ndim: int) -> P:
-  """The spec of leaf ``i``'s running sum in the loop's carry."""
-  if not lay.reduced[i]:
-    return whole_spec(lay, i, ndim, reduced=False)
-  if _syncs_in_loop(lay, i):
-    return _unreduced_over_rest(lay, i)
-  return _whole_partial(lay, i, ndim)
+  def _unreduced_over_rest(self, i: int) -> P:
+    """Sharded like the parameter, unreduced over the other data axes."""
+    rest = self._data() - set(data_axes_in(self.targets[i], self.axis_name))
+    return P(*sharding.partitions(self.targets[i]), unreduced=rest)
 
+  def _whole_partial(self, i: int, ndim: int) -> P:
+    """A whole gradient's type: unreduced over every data axis."""
+    entries = _drop(self.targets[i], axes.axes_of(self.axis_name), ndim)
+    return P(*entries, unreduced=self._data())
 
-def _leaves(lay: Layout, tree: Any) -> list[Any]:
-  return lay.treedef.flatten_up_to(tree)
+  def _sum_spec(self, i: int, ndim: int) -> P:
+    """The spec of leaf ``i``'s running sum in the loop's carry."""
+    if not self.reduced[i]:
+      return self._whole_spec(i, ndim, reduced=False)
+    if self._syncs_in_loop(i):
+      return self._unreduced_over_rest(i)
+    return self._whole_partial(i, ndim)
 
+  def _leaves(self, tree: Any) -> list[Any]:
+    return self.treedef.flatten_up_to(tree)
 
-def hold(lay: Layout, params: Any) -> Any:
-  """What the loop closes over: whole parameters (reduced), or shards.
+  # The micro-batch loop.
 
-  A parameter gathered in the loop is held as its shard; the others are
-  gathered here, once, if sharded over data axes.
-  """
-  out = []
-  for i, p in enumerate(_leaves(lay, params)):
-    if _gathers_in_loop(lay, i):
-      out.append(jax.sharding.reshard(p, lay.targets[i]))
-    else:
-      out.append(jax.sharding.reshard(
-          p, whole_spec(lay, i, jnp.ndim(p), reduced=lay.reduced[i])))
-  return lay.treedef.unflatten(out)
+  def split(self, batch, num_microbatches):
+    """The batch laid out over the data axes (a replicated batch is sliced,
+    without communication), then split."""
+    leaves, treedef = jax.tree.flatten(batch)
+    batch = treedef.unflatten([_laid_out(x, a, self.axis_name)
+                               for x, a in zip(leaves, self.leaf_axes)])
+    return batching.split(batch, None, num_microbatches,
+                          sharded_layout_for_auto=False,
+                          known_axes=self.leaf_axes)
 
+  def device_local(self, tree):
+    return tree
 
-def for_microbatch(lay: Layout, held: Any, tie: Any) -> Any:
-  """The whole parameters one micro-batch differentiates.
+  def hold(self, params):
+    """Whole parameters (reduced), or shards gathered in the loop; the
+    others are gathered here, once, if sharded over data axes."""
+    out = []
+    for i, p in enumerate(self._leaves(params)):
+      if self._gathers_in_loop(i):
+        out.append(jax.sharding.reshard(p, self.targets[i]))
+      else:
+        out.append(jax.sharding.reshard(
+            p, self._whole_spec(i, jnp.ndim(p), reduced=self.reduced[i])))
+    return self.treedef.unflatten(out)
 
-  Shards gathered in the loop pass an optimization barrier with ``tie``
-  (the micro-batch's index), so that XLA does not hoist their gathers.
-  """
-  leaves = _leaves(lay, held)
-  shards = [i for i in range(len(leaves)) if _gathers_in_loop(lay, i)]
-  if not shards:
-    return held
-  tied, _ = lax.optimization_barrier(([leaves[i] for i in shards], tie))
-  for i, shard in zip(shards, tied):
-    leaves[i] = jax.sharding.reshard(
-        shard, whole_spec(lay, i, jnp.ndim(shard), reduced=True))
-  return lay.treedef.unflatten(leaves)
+  def for_microbatch(self, held, index):
+    """Shards gathered in the loop pass an optimization barrier with
+    ``index``, so that XLA does not hoist their gathers."""
+    leaves = self._leaves(held)
+    shards = [i for i in range(len(leaves)) if self._gathers_in_loop(i)]
+    if not shards:
+      return held
+    tied, _ = lax.optimization_barrier(([leaves[i] for i in shards], index))
+    for i, shard in zip(shards, tied):
+      leaves[i] = jax.sharding.reshard(
+          shard, self._whole_spec(i, jnp.ndim(shard), reduced=True))
+    return self.treedef.unflatten(leaves)
 
+  def zero_grads(self, held, dtypes):
+    leaves = self._leaves(held)
+    return self.treedef.unflatten([
+        jnp.zeros(jnp.shape(p), dtype,
+                  out_sharding=self._sum_spec(i, jnp.ndim(p)))
+        for i, (p, dtype) in enumerate(zip(leaves, self._leaves(dtypes)))
+    ])
 
-def zero_grads(lay: Layout, held: Any, dtypes: Any) -> Any:
-  """The loop's zero gradient sums, typed as :func:`sum_spec` says."""
-  leaves = _leaves(lay, held)
-  return lay.treedef.unflatten([
-      jnp.zeros(jnp.shape(p), dtype,
-                out_sharding=sum_spec(lay, i, jnp.ndim(p)))
-      for i, (p, dtype) in enumerate(zip(leaves, _leaves(lay, dtypes)))
-  ])
+  def _as_partial(self, g: Any, i: int) -> Any:
+    """Leaf ``i``'s gradient typed unreduced over the data axes.
 
+    A gradient that JAX already reduced (of a parameter the loss does not
+    use) is cast: its value on one device, zeros on the others.
+    """
+    spec = self._whole_partial(i, jnp.ndim(g))
+    if sharding.full_spec(g) == spec:
+      return g
+    return compat.cast_unreduced(g, spec)
 
-def _as_partial(g: Any, spec: P) -> Any:
-  """``g`` typed ``spec`` (unreduced over the data axes).
+  def add_grads(self, total, grads, c, rules):
+    """Replicated leaves follow their rule (:mod:`grad_reduction`);
+    unreduced ones are weighted on each device's own partial. Under
+    ``gradient_sync="every_microbatch"`` a sharded parameter's weighted
+    partial is reduce-scattered into its sum."""
+    sums, grads = self._leaves(total), self._leaves(grads)
+    rules = [grad_reduction_lib.MEAN] * len(sums) if rules is None else rules
+    out = list(sums)
+    local = []  # (leaf, partial gradient, what it is added to)
+    for i, (s, g) in enumerate(zip(sums, grads)):
+      if not self.reduced[i]:
+        out[i] = grad_reduction_lib.add(s, g, c, [rules[i]])
+        continue
+      g = self._as_partial(g, i)
+      base = s if not self._syncs_in_loop(i) else jnp.zeros(
+          jnp.shape(g), s.dtype, out_sharding=sharding.full_spec(g))
+      local.append((i, g, base))
+    if local:
+      new = compat.add_to_partials(
+          lambda gs, bs, c: [b + token_weighting.weighted(g, c, b.dtype)
+                             for g, b in zip(gs, bs)],
+          [g for _, g, _ in local], [b for _, _, b in local], c)
+      for (i, _, _), value in zip(local, new):
+        if self._syncs_in_loop(i):
+          value = sums[i] + jax.sharding.reshard(
+              value, sharding.full_spec(sums[i]))
+        out[i] = value
+    return self.treedef.unflatten(out)
 
-  A gradient that JAX already reduced (of a parameter the loss does not
-  use) is cast: its value on one device, zeros on the others.
-  """
-  if sharding.full_spec(g) == spec:
-    return g
-  return cast_unreduced(g, spec)
+  # The noise scale: two groups of leaves (docs/noise_scale.md).
 
+  def _groups(self) -> list[list[int]]:
+    """The reduced leaves, then the summed replicated ones (fallbacks):
+    each group that has leaves."""
+    reduced = [i for i, r in enumerate(self.reduced) if r and self.means[i]]
+    kept = [i for i, r in enumerate(self.reduced)
+            if not r and self.means[i]]
+    return [g for g in (reduced, kept) if g]
 
-def cast_unreduced(x: Any, spec: P) -> Any:
-  """A value the same on every device, typed ``spec`` (unreduced): its
-  partitions first, then each device's partial, the value on the first
-  device of the unreduced axes and zeros on the others.
+  def zero_stats(self):
+    return [noise_scale.zero_sums() for _ in self._groups()]
 
-  Written out on each device's blocks: one reshard that changes both
-  aborts XLA (see :func:`reduced_fallbacks.check_casts`), and jax 0.9's
-  reshard to unreduced kept the value on every device.
-  """
-  plain = P(*sharding.partitions(spec))
-  if sharding.partitions(sharding.full_spec(x)) != sharding.partitions(spec):
-    x = jax.sharding.reshard(x, plain)
-  over = tuple(sorted(spec.unreduced))
+  def add_stats(self, stats, grads, c, loss_reduction, count_tokens,
+                microbatch):
+    """A reduced leaf's small batches are each device's rows of the
+    micro-batch: its partial, weighted by the rows' tokens; a replicated
+    leaf's is the micro-batch. Only scalars cross devices."""
+    leaves = self._leaves(grads)
+    out = []
+    for group, sums in zip(self._groups(), stats):
+      if self.reduced[group[0]]:
+        out.append(self._add_device_rows(
+            sums, [self._as_partial(leaves[i], i) for i in group], c,
+            loss_reduction, count_tokens, microbatch))
+      else:
+        out.append(noise_scale.add(sums, [leaves[i] for i in group], c,
+                                   loss_reduction))
+    return out
 
-  def partial(v):
-    first = unreduced_sums.is_first_device(over)
-    return jnp.where(first, v, jnp.zeros_like(v))
+  def _device_tokens(self, count_tokens, microbatch, tokens) -> jax.Array:
+    """Each device's share of the micro-batch's tokens, one per device
+    (sharded over the data axes): ``count_tokens`` of its rows, scaled so
+    that they add up to ``tokens`` (the same for an additive count, such
+    as a mask's sum; an equal share for a constant one)."""
+    data = axes.axes_of(self.axis_name)
+    specs = jax.tree.map(
+        lambda x: sharding.restrict(sharding.full_spec(x), self.axis_name),
+        microbatch)
 
-  return unreduced_sums.run_local(partial, (x,), spec)
+    def count(mb):
+      n = jnp.asarray(count_tokens(mb), jnp.float32).reshape(1)
+      return axes.device_local(n, self.axis_name)
 
+    counts = jax.shard_map(count, in_specs=(specs,),
+                           out_specs=P(sharding.entry(data)),
+                           axis_names=set(data))(microbatch)
+    total = jnp.sum(counts)
+    return counts * jnp.where(total > 0, tokens / jnp.where(
+        total > 0, total, 1.0), 0.0)
 
-def gathered(lay: Layout, tree: Any) -> Any:
-  """``tree`` replicated over the data axes (its model axes kept)."""
-  names = axes.axes_of(lay.axis_name)
-  return jax.tree.map(lambda x: jax.sharding.reshard(
-      x, P(*_drop(sharding.full_spec(x), names, jnp.ndim(x)))), tree)
+  def _add_device_rows(self, sums, partials, c, loss_reduction,
+                       count_tokens, microbatch):
+    """``sum_d n_d |g_d|^2`` over the devices ``d`` with tokens, ``g_d``
+    the per-token mean gradient of device ``d``'s rows: its partial ``p_d``
+    is ``(n_d / n) g_d`` (``"mean"``) or ``n_d g_d`` (``"sum"``)."""
+    shares = self._device_tokens(count_tokens, microbatch, c.tokens)
+    data = self._data()
+    specs = [sharding.full_spec(p) for p in partials]
+    names = tuple(jax.sharding.get_abstract_mesh().axis_names)
 
+    def local(partials, share, c):
+      n_d = share[0]
+      has = c.keep & (n_d > 0)
+      safe = jnp.where(has, n_d, 1.0)
+      sq = _sq_norm_of_blocks(partials, specs, data)
+      if loss_reduction == "mean":
+        n = jnp.where(has, c.tokens, 0.0)
+        term = n * n / safe * sq
+      else:
+        term = sq / safe
+      term = jnp.where(has, term, 0.0)
+      return lax.psum((term, has.astype(jnp.float32)), names)
 
-def replicated(lay: Layout, held: Any) -> Any:
-  """Held parameters as plain replicated ones (free: no data moves)."""
-  return lay.treedef.unflatten([
-      jax.sharding.reshard(p, whole_spec(lay, i, jnp.ndim(p), reduced=False))
-      for i, p in enumerate(_leaves(lay, held))
-  ])
+    term, counted = jax.shard_map(
+        local, in_specs=(specs, sharding.full_spec(shares), P()),
+        out_specs=P(), axis_names=set(names), check_vma=False,
+    )(partials, shares, c)
+    return noise_scale.StatsSums(sums.weighted_sq_norms + term,
+                                 sums.num_microbatches + counted)
 
+  def sq_norms(self, tree):
+    leaves = self._leaves(tree)
+    return [noise_scale.sq_norm([leaves[i] for i in group])
+            for group in self._groups()]
 
-def as_sums(lay: Layout, grads: Any) -> Any:
-  """Gradients typed like the loop's sums (:func:`sum_spec`), for free.
+  def after_loop(self, total, rules):
+    del rules
+    return total
 
-  A reduced leaf's gradient (of its whole parameter) becomes unreduced; a
-  gradient that JAX already reduced is cast, its value on one device.
-  """
-  return lay.treedef.unflatten([
-      _as_partial(g, sum_spec(lay, i, jnp.ndim(g))) if lay.reduced[i] else g
-      for i, g in enumerate(_leaves(lay, grads))
-  ])
+  def reduce(self, partials):
+    """The one reduction: each sum resharded to its parameter's sharding.
 
+    With ``gradient_sync="deferred"`` the sums are only reduce-scattered
+    over the data axes that shard their parameter and stay unreduced over
+    the others (a replicated sum is cast there, its value on one device).
+    Loss, token counts, aux and model state are global values already.
+    """
+    deferred = self.policy.gradient_sync == fsdp.DEFERRED
 
-def _weighted_add(grads: list[Any], sums: list[Any],
-                  c: token_weighting.Contribution) -> list[Any]:
-  """``sum + weight * g`` on each device's own partials, in one shard_map.
+    def finished(i, s):
+      if not deferred:
+        return jax.sharding.reshard(s, self.targets[i])
+      if self.reduced[i]:  # a reduce-scatter over the axes that shard it.
+        return jax.sharding.reshard(s, self._unreduced_over_rest(i))
+      return compat.cast_unreduced(s, self._unreduced_over_rest(i))
 
-  JAX types neither a replicated weight times an unreduced array nor
-  ``where`` on one (and jax 0.9 not even a reduced weight times one), so
-  each device weighs its own partial as a plain array: a micro-batch that
-  is not kept adds zeros, its partials never looked at.
-  """
-  if not grads:
-    return []
+    return partials._replace(grads=self.treedef.unflatten(
+        [finished(i, s) for i, s in enumerate(self._leaves(partials.grads))]))
 
-  def local(grads, sums, c):
-    return [s + token_weighting.weighted(g, c, s.dtype)
-            for g, s in zip(grads, sums)]
+  # Gradient caching.
 
-  return unreduced_sums.run_local(
-      local, (grads, sums, c), [sharding.full_spec(s) for s in sums])
+  def gather_rows(self, reps, batch):
+    """The loss sees the whole batch's representations (and the whole
+    batch) on every device, as under shard_map."""
+    names = axes.axes_of(self.axis_name)
+    return jax.tree.map(lambda x: jax.sharding.reshard(
+        x, P(*_drop(sharding.full_spec(x), names, jnp.ndim(x)))),
+        (reps, batch))
 
+  def scatter_rows(self, cotangents, like):
+    return [jax.sharding.reshard(t, sharding.full_spec(r))
+            for t, r in zip(cotangents, like)]
 
-def add_grads(lay: Layout, total: Any, grads: Any,
-              c: token_weighting.Contribution, rules=None) -> Any:
-  """Adds one micro-batch's weighted gradient to the running sums.
+  def loss_params(self, held):
+    """Held parameters as plain replicated ones (free: no data moves): the
+    coupled loss's direct gradient is then reduced."""
+    return self.treedef.unflatten([
+        jax.sharding.reshard(
+            p, self._whole_spec(i, jnp.ndim(p), reduced=False))
+        for i, p in enumerate(self._leaves(held))
+    ])
 
-  Replicated leaves follow their rule (:mod:`grad_reduction`); unreduced
-  ones are weighted on each device's own partial (a kept micro-batch adds
-  ``weight * g``, another nothing: its partial is never looked at). Under
-  ``gradient_sync="every_microbatch"`` a sharded parameter's weighted
-  partial is reduce-scattered into its sum.
-  """
-  sums, grads = _leaves(lay, total), _leaves(lay, grads)
-  rules = ["mean"] * len(sums) if rules is None else rules
-  out = list(sums)
-  local = []  # (leaf, partial gradient, what it is added to)
-  for i, (s, g) in enumerate(zip(sums, grads)):
-    if not lay.reduced[i]:
-      out[i] = grad_reduction_lib.add(s, g, c, [rules[i]])
-      continue
-    g = _as_partial(g, _whole_partial(lay, i, jnp.ndim(g)))
-    base = s if not _syncs_in_loop(lay, i) else jnp.zeros(
-        jnp.shape(g), s.dtype, out_sharding=sharding.full_spec(g))
-    local.append((i, g, base))
-  if local:
-    new = _weighted_add([g for _, g, _ in local], [b for _, _, b in local],
-                        c)
-    for (i, _, _), value in zip(local, new):
-      if _syncs_in_loop(lay, i):
-        value = sums[i] + jax.sharding.reshard(
-            value, sharding.full_spec(sums[i]))
-      out[i] = value
-  return lay.treedef.unflatten(out)
+  def as_sums(self, tree):
+    """A reduced leaf's gradient becomes unreduced, for free; one that JAX
+    already reduced is cast, its value on one device."""
+    return self.treedef.unflatten([
+        self._as_partial(g, i) if self.reduced[i] else g
+        for i, g in enumerate(self._leaves(tree))
+    ])
 
-
-def _whole_partial(lay: Layout, i: int, ndim: int) -> P:
-  """A whole gradient's type: unreduced over every data axis."""
-  entries = _drop(lay.targets[i], axes.axes_of(lay.axis_name), ndim)
-  return P(*entries, unreduced=_data(lay))
-
-
-def finish(lay: Layout, total: Any) -> Any:
-  """The one reduction: each sum resharded to its parameter's sharding.
-
-  With ``gradient_sync="deferred"`` the sums are only reduce-scattered over
-  the data axes that shard their parameter and stay unreduced over the
-  others (a replicated sum is cast there, its value on one device).
-  """
-  deferred = lay.policy.gradient_sync == fsdp.DEFERRED
-
-  def finished(i, s):
-    if not deferred:
-      return jax.sharding.reshard(s, lay.targets[i])
-    if lay.reduced[i]:  # a reduce-scatter over the axes that shard it.
-      return jax.sharding.reshard(s, _unreduced_over_rest(lay, i))
-    return cast_unreduced(s, _unreduced_over_rest(lay, i))
-
-  return lay.treedef.unflatten(
-      [finished(i, s) for i, s in enumerate(_leaves(lay, total))])
-
-
-def summed(lay: Layout, grads: Any) -> Any:
-  """A micro-batch's gradient reduced over the data axes (with_stats only:
-  a gradient-sized reduction per micro-batch)."""
-  return lay.treedef.unflatten([
-      jax.sharding.reshard(g, whole_spec(lay, i, jnp.ndim(g), reduced=False))
-      if lay.reduced[i] else g
-      for i, g in enumerate(_leaves(lay, grads))
-  ])

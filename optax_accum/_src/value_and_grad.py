@@ -18,15 +18,6 @@ from optax_accum._src import token_weighting
 from optax_accum._src import validation
 
 
-def _check_deferred(opts: loop_lib.Options) -> None:
-  """``gradient_sync="deferred"`` leaves no norm to take."""
-  if opts.with_stats:
-    raise ValueError(
-        "with_stats=True needs the reduced gradient's norm, which"
-        " gradient_sync='deferred' does not compute: use one or the other."
-    )
-
-
 def value_and_grad(
     loss_fn: Callable[..., Any],
     *,
@@ -250,38 +241,41 @@ def value_and_grad(
     >>> aux['hit']
     Array(0.6666667, dtype=float32)
   """
+  num_microbatches = validation.check_positive_int(
+      "num_microbatches", num_microbatches)
+  has_aux = validation.check_bool("has_aux", has_aux)
+  has_state = validation.check_bool("has_state", has_state)
   opts = loop_lib.Options(
-      num_microbatches=validation.check_positive_int(
-          "num_microbatches", num_microbatches
-      ),
-      has_aux=validation.check_bool("has_aux", has_aux),
-      has_state=validation.check_bool("has_state", has_state),
+      num_microbatches=num_microbatches,
       num_tokens_fn=token_weighting.count_fn(
           "oa.value_and_grad",
           validation.check_optional_callable("num_tokens_fn", num_tokens_fn),
           validation.check_bool("equal_weights", equal_weights),
       ),
       loss_reduction=validation.check_loss_reduction(loss_reduction),
-      axis_name=validation.check_axis_name(axis_name),
       accumulator_dtype=validation.check_accumulator_dtypes(
           accumulator_dtype),
-      batch_axes=batching.check_batch_axes(batch_axes),
       aux_reduction=aux_reduction_lib.check(aux_reduction, has_aux),
       with_stats=validation.check_bool("with_stats", with_stats),
-      param_specs=fsdp.check_param_specs(param_specs),
-      fsdp_policy=fsdp.policy(gradient_sync, gather_params),
       grad_reduction=grad_reduction_lib.check(grad_reduction, axis_name),
+  )
+  settings = runner.Settings(
+      axis_name=validation.check_axis_name(axis_name),
+      num_microbatches=num_microbatches,
+      batch_axes=batching.check_batch_axes(batch_axes),
+      param_specs=fsdp.check_param_specs(param_specs),
+      policy=fsdp.policy(gradient_sync, gather_params),
+      grad_reduction=opts.grad_reduction,
   )
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
-  deferred = opts.fsdp_policy.gradient_sync == fsdp.DEFERRED
-  if deferred:
-    _check_deferred(opts)
-  loss = loss_signature.normalize(loss_fn, opts.has_aux, opts.has_state)
+  if settings.policy.gradient_sync == fsdp.DEFERRED and opts.with_stats:
+    raise ValueError(
+        "with_stats=True needs the reduced gradient's norm, which"
+        " gradient_sync='deferred' does not compute: use one or the other."
+    )
+  loss = loss_signature.normalize(loss_fn, has_aux, has_state)
   program = loop_lib.program(loss, opts)
-  settings = runner.Settings(
-      opts.axis_name, opts.num_microbatches, opts.batch_axes,
-      opts.param_specs, opts.fsdp_policy, opts.grad_reduction)
 
   declared = loss_signature.keyword_names(loss_fn)
 
@@ -292,13 +286,13 @@ def value_and_grad(
                                   declared)
     loss_signature.check_params(params)
     model_state, batch, args = loss_signature.split_call_args(
-        rest, opts.has_state)
+        rest, has_state)
     inputs = loss_signature.Inputs(
         model_state, batch, args, kwargs, microbatch_rng.check(rng),
         loop_lib.check_num_real(num_real_microbatches, opts.num_microbatches))
     result = runner.run(program, settings, params, inputs)
     result = result._replace(aux=aux_reduction_lib.merge(result.aux))
-    value, grads = loss_signature.pack(result, opts.has_aux, opts.has_state)
+    value, grads = loss_signature.pack(result, has_aux, has_state)
     if opts.with_stats:
       return value, grads, result.stats
     return value, grads
