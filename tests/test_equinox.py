@@ -168,3 +168,21 @@ def test_eqx_embedding_under_vmap_fails_on_an_explicit_mesh():
     ids = jax.device_put(ids, P("data"))
     with pytest.raises(Exception, match=r"out_sharding"):
       jax.jit(jax.vmap(jax.vmap(embed)))(ids)
+
+
+def test_accumulate_init_on_the_whole_module_names_the_fix():
+  """Failed before: optax's init failed deep inside on a function leaf."""
+  model = eqx.nn.MLP(2, 1, 4, 1, key=jax.random.key(0))
+  tx = oa.accumulate(optax.sgd(0.1), every_k=2)
+  with pytest.raises(TypeError, match=r"params.*not an array.*eqx.filter"):
+    tx.init(model)
+  tx.init(eqx.filter(model, eqx.is_inexact_array))  # the fix works.
+
+
+def test_coupled_value_and_grad_names_an_unfiltered_module():
+  model = eqx.nn.MLP(2, 1, 4, 1, key=jax.random.key(0))
+  fn = oa.coupled_value_and_grad(
+      lambda m, mb: mb, lambda m, reps, batch: jnp.sum(reps),
+      num_microbatches=2)
+  with pytest.raises(TypeError, match=r"params.*not an array"):
+    fn(model, jnp.ones((4, 2)))

@@ -361,6 +361,7 @@ def accumulate(
       with_stats)
 
   def init_fn(params):
+    validation.check_param_leaves(params)
     grad_reduction_lib.per_leaf(grad_reduction, params)  # fits the params?
     return _init_state(inner.init(params), params, accumulator_dtype,
                        axis_name, with_stats)

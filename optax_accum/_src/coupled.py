@@ -214,6 +214,7 @@ def coupled_value_and_grad(
 
   @functools.wraps(loss_fn)
   def fn(params, batch, *args, rng=None):
+    loss_signature.check_params(params)
     inputs = loss_signature.Inputs(
         None, batch, args, {}, microbatch_rng.check(rng))
     result = runner.run(program, settings, params, inputs)

@@ -436,3 +436,22 @@ def prefix_leaves(name: str, prefix: Any, tree: Any, tree_name: str,
       for entry, subtree in zip(entries, subtrees)
       for _ in jax.tree.leaves(subtree)
   ]
+
+
+def check_param_leaves(params: Any) -> None:
+  """``tx.init``'s params must be arrays (or numbers): not a whole module.
+
+  A whole Equinox module holds functions and other static leaves, which
+  optax's ``init`` would fail on deep inside ``jnp.zeros_like``.
+  """
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if not (isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float,
+                              complex, bool))
+            or (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))):
+      raise TypeError(
+          f"params{jax.tree_util.keystr(path)} is a {type(leaf).__name__},"
+          " not an array: tx.init(params) takes the parameters alone. For an"
+          " Equinox model, init on eqx.filter(model, eqx.is_inexact_array)"
+          " (the arrays to train); the static part stays out of the"
+          " optimizer."
+      )
