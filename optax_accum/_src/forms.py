@@ -232,9 +232,11 @@ def refuse_mixed_axis_types(mesh: Any, data_axes: tuple[str, ...],
       f"The mesh mixes axis types, {types}, and {given} the Explicit axes"
       f" {list(data_axes)}: optax_accum's typed form (parameters typed"
       " reduced, gradient sums unreduced over the data axes) is refused on"
-      f" such a mesh, since XLA miscompiles unreduced types next to"
-      f" {', '.join(sorted(set(others.values())))} axes (the weights'"
-      " gradient counted once per device, or a crash). " + fix
+      " such a mesh: " + (
+          "next to Manual axes XLA aborts the process on unreduced types."
+          if manual else
+          "next to Auto axes XLA miscompiles unreduced types (the weights'"
+          " gradient came back counted once per device).") + " " + fix
   )
 
 
