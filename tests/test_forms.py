@@ -98,7 +98,7 @@ def test_a_manual_axis_is_manual():
 @pytest.fixture
 def fresh_warnings(monkeypatch):
   """Forgets which meshes were warned about (the warning comes once)."""
-  monkeypatch.setattr(forms, "_warned_auto", set())
+  monkeypatch.setattr(forms, "_warned_auto", set(), raising=False)
 
 
 def _step(axis_name=None):
@@ -161,3 +161,18 @@ def test_no_auto_warning_with_axis_name_or_on_explicit_axes(
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     _sharded_call(kind, axis_name)
+
+
+@pytest.mark.parametrize("axis_name, in_loop", [(None, 1), ("data", 0)])
+def test_what_the_auto_warning_says_holds_on_cpu(fresh_warnings, axis_name,
+                                                 in_loop):
+  """Without axis_name the gradient's all-reduce sits in the loop (once per
+  micro-batch); with it, once after the loop."""
+  del fresh_warnings
+  with jax.set_mesh(_mesh((8,), ("data",), AxisType.Auto)):
+    batch = jax.device_put(jnp.ones((16, 3)), P("data"))
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      compiled = _step(axis_name).lower(jnp.ones(3), batch).compile()
+  counts = oa.count_collectives(compiled, include_scalars=False)
+  assert counts.in_loop.get("all-reduce", 0) == in_loop, counts

@@ -111,6 +111,14 @@ def test_explicit_data_next_to_an_auto_axis_is_refused(shape, axis_name,
   assert "AxisType.Explicit" in message and "axis_name='data'" in message
 
 
+def test_plan_microbatches_is_refused_the_same():
+  with jax.set_mesh(_mesh((4, 2), (E, A))):
+    batch = jax.device_put(_batch(), P("data"))
+    with pytest.raises(ValueError, match=REFUSED):
+      oa.plan_microbatches(_loss, jax.device_put(_params(), P()), batch,
+                           memory_budget=2**30, equal_weights=True)
+
+
 @pytest.mark.parametrize("shape", [(4, 2), (8, 1)])
 @pytest.mark.parametrize("axis_name", [None, "data"])
 @pytest.mark.parametrize("entry", ["value_and_grad", "coupled"])

@@ -196,13 +196,14 @@ def refuse_mixed_axis_types(mesh: Any, data_axes: tuple[str, ...],
   axis types, so the typed form runs only where every axis is Explicit.
 
   On ``jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(Explicit,
-  Auto))`` (the Auto axis of any size, 1 included), jax 0.9.1 and 0.10.2
-  lower the gradient of a weight typed ``reduced`` over ``data`` with open
-  shardings (``{?}``) around its ``unreduced`` constraint, and the SPMD
+  Auto))`` (the Auto axis of any size, 1 included) the weights' gradient
+  of the typed loop came back multiplied by the size of ``data``, silently
+  (Equinox's ``Linear``: a matrix-vector product under ``vmap``; seen on
+  jax 0.9.1 and 0.10.2). On 0.10.2 a plain ``jnp.einsum`` of a weight typed
+  ``reduced`` and a batch-sharded activation shows why: JAX lowers the
+  ``unreduced`` constraint with open shardings (``{?}``), and the SPMD
   partitioner all-reduces the dot's output itself before the reshard
-  all-reduces it again: the weights' gradient comes back multiplied by the
-  size of ``data`` (Equinox's ``Linear``, ``jnp.einsum`` of a weight and a
-  batch-sharded activation), silently. Next to a Manual axis (inside a
+  all-reduces it again. Next to a Manual axis (inside a
   :func:`jax.shard_map` over another axis) XLA aborts the process ("Only one
   of unreduced and manual axes can be present"). Both are refused here, at
   trace time, before XLA sees them. Remove when jax lowers ``unreduced`` on
@@ -232,9 +233,11 @@ def refuse_mixed_axis_types(mesh: Any, data_axes: tuple[str, ...],
       f"The mesh mixes axis types, {types}, and {given} the Explicit axes"
       f" {list(data_axes)}: optax_accum's typed form (parameters typed"
       " reduced, gradient sums unreduced over the data axes) is refused on"
-      f" such a mesh, since XLA miscompiles unreduced types next to"
-      f" {', '.join(sorted(set(others.values())))} axes (the weights'"
-      " gradient counted once per device, or a crash). " + fix
+      " such a mesh: " + (
+          "next to Manual axes XLA aborts the process on unreduced types."
+          if manual else
+          "next to Auto axes XLA miscompiles unreduced types (the weights'"
+          " gradient came back counted once per device).") + " " + fix
   )
 
 
