@@ -16,6 +16,8 @@ import re
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -234,3 +236,19 @@ def test_no_note_where_no_later_argument_has_the_batchs_size():
     fn(jnp.ones(2), _batch()["x"], jnp.ones(3))
   assert not any(n.startswith("optax_accum")
                  for n in getattr(info.value, "__notes__", ()))
+
+
+@pytest.mark.skipif(not hasattr(P(), "unreduced"),
+                    reason="the typed form needs jax's unreduced types")
+def test_the_note_on_an_explicit_mesh():
+  """The typed form re-raises loss_fn's own error, with the note."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  fn = jax.jit(oa.value_and_grad(_tutorial, num_microbatches=K,
+                                 equal_weights=True))
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.ones((16, 2)), P("data"))
+    y = jax.device_put(jnp.ones(16), P("data"))
+    with pytest.raises(TypeError, match="incompatible shapes") as info:
+      fn(jnp.ones(2), x, y)
+  assert any(n.startswith("optax_accum") and "*args[0] (leading size 16)" in n
+             for n in getattr(info.value, "__notes__", ())), info.value
