@@ -22,7 +22,6 @@ def checked_grads(updates, grad_sum, axis_name, num_tokens):
   """
   updates = validation.check_grads(updates, grad_sum, axis_name,
                                    check_local=not _no_tokens(num_tokens))
-  _refuse_unreduced(updates, axis_name)
   return as_inexact(updates, grad_sum)
 
 
@@ -48,23 +47,6 @@ def _no_tokens(num_tokens):
   """Whether the micro-step is known at trace time to have no tokens."""
   return num_tokens is not None and not isinstance(
       num_tokens, jax.core.Tracer) and float(num_tokens) == 0
-
-
-def _refuse_unreduced(updates, axis_name):
-  """Unreduced gradients need per-device sums: accumulate(axis_name=...)."""
-  for path, g in jax.tree_util.tree_leaves_with_path(updates):
-    over = unreduced_sums.unreduced_axes(g)
-    if over:
-      hint = sorted(over)[0] if len(over) == 1 else tuple(sorted(over))
-      raise ValueError(
-          f"updates{jax.tree_util.keystr(path)} is unreduced over"
-          f" {sorted(over)} (typed {jax.typeof(g)}), but this accumulate"
-          f" was built with axis_name={axis_name!r}, which would have to"
-          " reduce it on every call. Build it with"
-          f" optax_accum.accumulate(..., axis_name={hint!r}) under jax.jit"
-          " to reduce once per update, or reduce the gradient first with"
-          " jax.sharding.reshard(g, P())."
-      )
 
 
 def sum_dtype(param, accumulator_dtype):
