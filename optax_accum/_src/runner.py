@@ -76,7 +76,11 @@ def _check(form: forms.Form, settings: Settings,
   """What each form refuses, before anything is traced."""
   deferred = settings.policy.gradient_sync == fsdp.DEFERRED
   if form.kind == forms.SINGLE:
-    if deferred:
+    # On one device (no mesh, a mesh of one device, or axis_name's axes all
+    # of size 1) there is nothing to defer: "deferred" is the plain gradient,
+    # so the README's no_sync recipe runs on a laptop. A batch left
+    # unsharded (or sharded over Auto axes) on a multi-device mesh is refused.
+    if deferred and not _one_device(settings.axis_name):
       raise ValueError(
           "gradient_sync='deferred' leaves the gradient unreduced over the"
           " data axes, but this call has none: the batch is not sharded"
@@ -97,6 +101,12 @@ def _check(form: forms.Form, settings: Settings,
     batching.check_divisible(
         batching.split_size(inputs.batch, form.leaf_axes),
         settings.num_microbatches, devices=forms.axis_size(form.axis_name))
+
+
+def _one_device(axis_name: axes.AxisName | None) -> bool:
+  """Whether a SINGLE-form call has no data parallelism to defer."""
+  mesh = jax.sharding.get_abstract_mesh()  # set, or entered from the inputs.
+  return axis_name is not None or mesh.empty or mesh.size == 1
 
 
 def _local(program: stages.Program, lay: layout.Layout, params: Any,
