@@ -140,8 +140,6 @@ def test_deferred_on_auto_data_axes_is_refused_by_name():
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_all_explicit_is_exact_with_size_one_axes(shape, entry, request):
   """The control: the same model, every axis Explicit (typed form)."""
-  if shape[0] == 1 and entry == "deferred":
-    pytest.skip("no data axis of size > 1 to defer over")
   if shape[0] == 1 and entry == "coupled":
     request.applymarker(pytest.mark.xfail(
         strict=True,
