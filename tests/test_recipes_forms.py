@@ -92,7 +92,18 @@ def info_nce(w, reps, batch):
   return -jnp.mean(jnp.diag(jax.nn.log_softmax(logits, axis=1)))
 
 
-@pytest.mark.parametrize("form", FORMS)
+# jax 0.9.1's typed form: a parameter that encode_fn uses twice (both towers'
+# w) came back with D times its gradient, silently (see the report of the
+# recipes branch); jax 0.10.2 is exact.
+_OLD_JAX_TYPED_COUPLED = pytest.mark.xfail(
+    jax.__version_info__ < (0, 10), strict=True, raises=AssertionError,
+    reason="jax 0.9: coupled_value_and_grad in the typed form gives D x the"
+    " gradient of a parameter that encode_fn uses twice")
+
+
+@pytest.mark.parametrize("form", [
+    pytest.param(f, marks=_OLD_JAX_TYPED_COUPLED) if f.startswith("explicit")
+    else f for f in FORMS])
 def test_the_coupled_losses_recipe(form):
   axis_type, axis_name = FORMS[form]
   views = {"a": jax.random.normal(jax.random.key(0), (ROWS, 4))}
