@@ -11,6 +11,7 @@ README's (its tour and its DDP ``no_sync`` loop) and
 
 import contextlib
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -217,3 +218,29 @@ def test_a_non_array_in_args_reaches_loss_fn(form):
     loss, grads = step(put(_params(), P()), put(batch, P("data")))
   full = jax.value_and_grad(_activation_loss)(_params(), batch, jax.nn.relu)
   helpers.assert_trees_close((loss, grads), full, rtol=1e-5, atol=1e-6)
+
+
+def _embed_loss(params, mb, graphdef):
+  """An nnx.Embed read with the out_sharding that Explicit axes ask for
+  (docs/getting_started.md), naming the data axis."""
+  embed = nnx.merge(graphdef, params)
+  return jnp.mean(embed(mb["ids"], out_sharding=P("data", None)) ** 2)
+
+
+@pytest.mark.xfail(
+    strict=True, reason="runner.over_mesh adds its note to ValueError only;"
+    " this annotation raises JAX's NotImplementedError ('Going from Manual"
+    " AxisType to Auto or Explicit AxisType is not allowed')")
+def test_an_annotation_naming_an_auto_data_axis_gets_our_hint():
+  """SPEC 10: with Auto axes and axis_name, loss_fn naming a data axis gets
+  an error from optax_accum that says to use Explicit axes."""
+  fn = oa.value_and_grad(_embed_loss, num_microbatches=K, equal_weights=True,
+                         axis_name="data")
+  graphdef, params = nnx.split(nnx.Embed(16, 4, rngs=nnx.Rngs(0)))
+  batch = {"ids": jnp.arange(ROWS, dtype=jnp.int32) % 16}
+  with _form(AxisType.Auto) as put:
+    with pytest.raises(Exception) as info:
+      jax.jit(fn, static_argnums=2)(put(params, P()), put(batch, P("data")),
+                                    graphdef)
+  notes = "\n".join(getattr(info.value, "__notes__", []))
+  assert "AxisType.Explicit" in notes, (type(info.value), info.value, notes)
