@@ -138,16 +138,13 @@ def test_deferred_on_auto_data_axes_is_refused_by_name():
 
 @pytest.mark.parametrize("shape", [(4, 2), (8, 1), (1, 8)])
 @pytest.mark.parametrize("entry", ENTRIES)
-def test_all_explicit_is_exact_with_size_one_axes(shape, entry, request):
-  """The control: the same model, every axis Explicit (typed form)."""
-  if shape[0] == 1 and entry == "deferred":
-    pytest.skip("no data axis of size > 1 to defer over")
-  if shape[0] == 1 and entry == "coupled":
-    request.applymarker(pytest.mark.xfail(
-        strict=True,
-        reason="batching.merge_rows reshapes reps typed over the size-1"
-        " 'data' axis without out_sharding (JAX: 'This reshape is not"
-        " supported'); not a mixed-types issue, reported to the lead"))
+def test_all_explicit_is_exact_with_size_one_axes(shape, entry):
+  """The control: the same model, every axis Explicit (typed form).
+
+  On (1, 8) the coupled entry failed before: batching.merge_rows reshaped
+  reps typed over the size-1 'data' axis without out_sharding (JAX: 'This
+  reshape is not supported'); the deferred one was refused.
+  """
   with jax.set_mesh(_mesh(shape, (E, E))):
     grads = _grads(entry, None)
   helpers.assert_trees_close(grads, _full_batch(entry), rtol=1e-5,

@@ -271,7 +271,25 @@ def merge_rows(stacked: Any, batch_split: Split) -> Any:
                    None if entries is None else entries[1])
   if batch_split.strided:
     stacked = jnp.swapaxes(stacked, 0, 1)
-  return jnp.reshape(stacked, (-1,) + jnp.shape(stacked)[2:])
+  return _merged_rows(stacked)
+
+
+def _merged_rows(stacked: Any) -> Any:
+  """``(k, rows, ...)`` as ``(k * rows, ...)``, unblocked.
+
+  Unblocked rows may still be typed over Explicit data axes of size 1 (a
+  (1, 8) mesh), which JAX's reshape does not merge without an
+  ``out_sharding``: the merged axis takes both axes' names, in order.
+  """
+  merged = (-1,) + jnp.shape(stacked)[2:]
+  spec = sharding.explicit_spec(stacked)
+  if spec is None:
+    return jnp.reshape(stacked, merged)
+  entries = list(spec) + [None] * (jnp.ndim(stacked) - len(spec))
+  names = tuple(n for e in entries[:2] if e is not None
+                for n in ((e,) if isinstance(e, str) else e))
+  entry = None if not names else names[0] if len(names) == 1 else names
+  return jnp.reshape(stacked, merged, out_sharding=P(entry, *entries[2:]))
 
 
 def split_rows(x: Any, batch_split: Split) -> Any:
@@ -296,7 +314,14 @@ def split_rows(x: Any, batch_split: Split) -> Any:
     return reshape(jnp.swapaxes(blocks, 0, 1), (k, -1) + rest, None, entry)
   if batch_split.strided:
     return jnp.swapaxes(jnp.reshape(x, (-1, k) + rest), 0, 1)
-  return jnp.reshape(x, (k, -1) + rest)
+  spec = sharding.explicit_spec(x)
+  if spec is None:
+    return jnp.reshape(x, (k, -1) + rest)
+  # Rows typed over data axes of size 1 (a (1, 8) mesh): the names stay on
+  # the rows, so that lax.scan takes the micro-batches along a replicated
+  # axis.
+  entries = list(spec) + [None] * (jnp.ndim(x) - len(spec))
+  return jnp.reshape(x, (k, -1) + rest, out_sharding=P(None, *entries))
 
 
 def len_microbatches(batch_split: Split) -> int:

@@ -76,7 +76,12 @@ def _check(form: forms.Form, settings: Settings,
   """What each form refuses, before anything is traced."""
   deferred = settings.policy.gradient_sync == fsdp.DEFERRED
   if form.kind == forms.SINGLE:
-    if deferred:
+    # Without data parallelism (no mesh, a mesh of one device, data axes of
+    # size 1) there is nothing to defer: "deferred" is the plain gradient,
+    # so the README's no_sync recipe runs on a laptop. A batch left
+    # unsharded (or sharded over Auto axes) on a multi-device mesh is refused.
+    if deferred and not _no_data_parallelism(settings.axis_name, inputs.batch,
+                                             form.leaf_axes):
       raise ValueError(
           "gradient_sync='deferred' leaves the gradient unreduced over the"
           " data axes, but this call has none: the batch is not sharded"
@@ -97,6 +102,22 @@ def _check(form: forms.Form, settings: Settings,
     batching.check_divisible(
         batching.split_size(inputs.batch, form.leaf_axes),
         settings.num_microbatches, devices=forms.axis_size(form.axis_name))
+
+
+def _no_data_parallelism(axis_name: axes.AxisName | None, batch: Any,
+                         leaf_axes: list[int | None]) -> bool:
+  """Whether a single-form call has no data axis of size > 1 to defer over:
+  one device, axis_name's axes all of size 1, or a batch sharded (Explicit)
+  only over axes of size 1."""
+  mesh = jax.sharding.get_abstract_mesh()  # set, or entered from the inputs.
+  if axis_name is not None or mesh.empty or mesh.size == 1:
+    return True
+  named = set()
+  for leaf, axis in zip(jax.tree.leaves(batch), leaf_axes):
+    spec = sharding.explicit_spec(leaf)
+    if axis is not None and spec is not None and axis < len(spec):
+      named |= set(axes.axes_of(spec[axis])) if spec[axis] else set()
+  return bool(named) and all(dict(mesh.shape)[n] == 1 for n in named)
 
 
 def _local(program: stages.Program, lay: layout.Layout, params: Any,
