@@ -1,25 +1,14 @@
 """Which parallel form a call runs in: the runner's dispatch, in one place.
 
-An entry point (:func:`optax_accum.value_and_grad`,
-:func:`optax_accum.coupled_value_and_grad`, the steps that
-:func:`optax_accum.plan_microbatches` compiles) is called in one of four
-forms (told for users in ``docs/distributed.md``):
-
-* ``SINGLE``: no data axis to reduce over. One device, or :func:`jax.jit` of
-  sharded inputs with XLA placing the collectives (no ``axis_name``), or an
-  ``axis_name`` whose mesh axes all have size 1 (nothing to reduce).
-* ``MANUAL``: ``axis_name`` names manual axes here (inside
-  :func:`jax.shard_map` or :func:`jax.pmap`): the batch is this device's
-  shard.
-* ``TYPED``: under :func:`jax.jit`, data axes of Explicit type: those the
-  batch is sharded over (read off its type), or ``axis_name``'s. Nothing is
-  made manual around ``loss_fn``: the parameters are typed ``reduced`` over
-  the data axes and the loop sums ``unreduced`` gradients
-  (:mod:`typed_layout`).
-* ``MESH``: ``axis_name`` names Auto axes of a mesh under :func:`jax.jit`:
-  the mesh set by :func:`jax.set_mesh`, or, without it, the mesh that the
-  inputs' types carry. The runner makes those axes manual for the length of
-  the call.
+The four forms are named after the type of the data axes (JAX's
+``AxisType``) and told for users in ``docs/distributed.md``: ``SINGLE`` (no
+data axis to reduce over), ``MANUAL`` (``axis_name`` names manual axes:
+inside :func:`jax.shard_map` or :func:`jax.pmap`), ``AUTO`` (``axis_name``
+names Auto axes of a mesh under :func:`jax.jit`: the runner makes them
+manual for the call) and ``EXPLICIT`` (under :func:`jax.jit`, Explicit data
+axes: those the batch is sharded over, read off its type, or
+``axis_name``'s). :func:`detect` decides; the runner builds the form's
+:class:`layout.Layout`.
 
 A mesh read off the inputs is entered (:func:`jax.sharding.use_abstract_mesh`)
 for the whole call, so that Explicit-sharded inputs work without
@@ -41,14 +30,14 @@ from optax_accum._src import sharding
 
 SINGLE = "single"
 MANUAL = "manual"
-TYPED = "typed"
-MESH = "mesh"
+EXPLICIT = "explicit"
+AUTO = "auto"
 
 
 class Form(NamedTuple):
   """How one call runs: its kind, its data axes and the mesh to enter."""
 
-  kind: str  # SINGLE, MANUAL, TYPED or MESH.
+  kind: str  # SINGLE, MANUAL, AUTO or EXPLICIT.
   axis_name: axes.AxisName | None  # the data axes reduced over, or None.
   enter: Any  # an AbstractMesh read off the inputs, to enter; or None.
   leaf_axes: list[int | None]  # the batch leaves' split axes.
@@ -149,7 +138,7 @@ def detect(axis_name: axes.AxisName | None, params: Any, batch: Any,
   typed = batch_data_axes(batch, leaf_axes)
   if axis_name is None:
     if typed:
-      return Form(TYPED, _name(typed), enter, leaf_axes)
+      return Form(EXPLICIT, _name(typed), enter, leaf_axes)
     return Form(SINGLE, None, enter, leaf_axes)
   sizes = {} if mesh is None else _sizes(mesh)
   manual = set(getattr(mesh, "manual_axes", ()) or ())
@@ -176,8 +165,8 @@ def detect(axis_name: axes.AxisName | None, params: Any, batch: Any,
   if not active:
     return Form(SINGLE, None, enter, leaf_axes)
   if _explicit(mesh, active):
-    return Form(TYPED, _name(active), enter, leaf_axes)
-  return Form(MESH, _name(active), enter, leaf_axes)
+    return Form(EXPLICIT, _name(active), enter, leaf_axes)
+  return Form(AUTO, _name(active), enter, leaf_axes)
 
 
 def entered(form: Form) -> contextlib.AbstractContextManager:
