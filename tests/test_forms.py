@@ -31,14 +31,14 @@ def test_an_auto_mesh_axis_is_mesh_and_an_explicit_one_typed():
         forms.AUTO, "data", None, [0])
   with jax.set_mesh(_mesh((2, 4), ("data", "model"))):
     assert _detect("data", np.ones(8)) == forms.Form(
-        forms.EXPLICIT, "data", None, [0])
+        forms.TYPED, "data", None, [0])
 
 
 def test_a_batch_sharded_over_explicit_axes_is_typed_without_axis_name():
   mesh = _mesh((2, 4), ("data", "model"))
   with jax.set_mesh(mesh):
     batch = jax.device_put(jnp.ones((8, 3)), P("data"))
-    assert _detect(None, batch) == forms.Form(forms.EXPLICIT, "data", None, [0])
+    assert _detect(None, batch) == forms.Form(forms.TYPED, "data", None, [0])
     with pytest.raises(ValueError, match=(
         r"axis_name='model' does not name the mesh axes that the batch is"
         r" sharded over along its batch axis, \['data'\]")):
@@ -55,7 +55,7 @@ def test_explicit_inputs_without_set_mesh_bring_their_mesh():
   mesh = _mesh((8,), ("data",))
   x = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data")))
   form = _detect("data", {"x": x})
-  assert form.kind == forms.EXPLICIT and form.enter == mesh.abstract_mesh
+  assert form.kind == forms.TYPED and form.enter == mesh.abstract_mesh
   assert _detect(None, x).enter == mesh.abstract_mesh
 
 

@@ -38,11 +38,11 @@ ENTRIES = ("value_and_grad", "coupled_value_and_grad", "plan_microbatches")
 # The forms of docs/distributed.md, by how the call is made.
 ONE_DEVICE = "single: one device"
 AUTO = "auto: jit + set_mesh"
-EXPLICIT = "explicit: jit + set_mesh"
-EXPLICIT_INPUTS = "explicit: jit, the inputs' mesh"
+TYPED = "typed: jit + set_mesh"
+TYPED_INPUTS = "typed: jit, the inputs' mesh"
 SHARD_MAP = "manual: shard_map"
 PMAP = "manual: pmap"
-FORMS = (ONE_DEVICE, AUTO, EXPLICIT, EXPLICIT_INPUTS, SHARD_MAP, PMAP)
+FORMS = (ONE_DEVICE, AUTO, TYPED, TYPED_INPUTS, SHARD_MAP, PMAP)
 PARAMS = ("replicated", "FSDP", "tensor-parallel", "FSDP + tensor-parallel")
 BATCHES = ("sharded", "replicated", "-")
 FEATURES = ("num_tokens_fn, empty micro-batch", 'aux_reduction="mean"',
@@ -120,7 +120,7 @@ CELLS = helpers.pairwise_cover(
 
 # Combinations that the library refuses with its own error, run next to
 # the covering (they cover no pair): {cell id: (error type, message words)}.
-_PLANNED = dict(entry="plan_microbatches", form=EXPLICIT,
+_PLANNED = dict(entry="plan_microbatches", form=TYPED,
                 mesh="(8,) data", params="FSDP", batch="sharded")
 REFUSED_CELLS = [
     dict(_PLANNED, feature='gradient_sync="every_microbatch"'),
@@ -441,7 +441,7 @@ def _key(seed):
 
 def _contexts(cell, mesh):
   """The context the cell's step is traced, compiled and run in."""
-  if mesh is None or cell["form"] in (PMAP, EXPLICIT_INPUTS):
+  if mesh is None or cell["form"] in (PMAP, TYPED_INPUTS):
     return contextlib.nullcontext
   return lambda: jax.set_mesh(mesh)
 
@@ -500,13 +500,13 @@ def _check_values(cell, out):
     devices = 1 if mesh is None else int(np.prod(
         [mesh.shape[mesh.names.index(a)] for a in _names(mesh.axis_name)]))
     # Each device's micro-batches (its rows of each micro-batch in the
-    # explicit form: SPEC 6) are the small batches.
+    # typed form: SPEC 6) are the small batches.
     assert float(stats.num_microbatches) == K * devices, stats
 
 
 def _typed(cell):
   """Whether a cell runs in the typed form: jit with Explicit data axes."""
-  return cell["form"] in (EXPLICIT, EXPLICIT_INPUTS) and (
+  return cell["form"] in (TYPED, TYPED_INPUTS) and (
       MESHES[cell["mesh"]] is not None)
 
 
@@ -603,7 +603,7 @@ def test_support_matrix(cell):
 
 def test_loop_collectives_tell_a_naive_scans_data_reductions():
   """Negative control: a scan of jax.grad reduces over "data" in the loop."""
-  cell = dict(entry="value_and_grad", form=EXPLICIT,
+  cell = dict(entry="value_and_grad", form=TYPED,
               mesh="(2, 4) data x model", params="tensor-parallel",
               batch="sharded", feature="has_state")
   mesh = _mesh(cell)

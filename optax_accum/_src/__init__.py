@@ -12,14 +12,14 @@ order, data passing downward:
   value_and_grad.py     checks the arguments once; builds a stages.Program
    |                    (microbatch_loop.program) and runner.Settings
   runner.py             run(): the form, once (forms.py: single / manual /
-   |                    auto / explicit, by the type of the data axes), and
+   |                    auto / typed, by the type of the data axes), and
    |                    its one layout.Layout:
    |                      single    layout.SingleLayout (the identity)
    |                      manual    manual_layout.ManualLayout (shard_map,
    |                                pmap; fsdp.py: the FSDP policy)
    |                      auto      the same, in runner.over_mesh's
    |                                shard_map over the Auto data axes
-   |                      explicit  typed_layout.TypedLayout, built by
+   |                      typed     typed_layout.TypedLayout, built by
    |                                typed_build.py from one trace (the
    |                                leaves JAX cannot type reduced:
    |                                reduced_fallbacks.py)

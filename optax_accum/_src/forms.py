@@ -1,13 +1,13 @@
 """Which parallel form a call runs in: the runner's dispatch, in one place.
 
-The four forms are named after the type of the data axes (JAX's
-``AxisType``) and told for users in ``docs/distributed.md``: ``SINGLE`` (no
-data axis to reduce over), ``MANUAL`` (``axis_name`` names manual axes:
-inside :func:`jax.shard_map` or :func:`jax.pmap`), ``AUTO`` (``axis_name``
-names Auto axes of a mesh under :func:`jax.jit`: the runner makes them
-manual for the call) and ``EXPLICIT`` (under :func:`jax.jit`, Explicit data
-axes: those the batch is sharded over, read off its type, or
-``axis_name``'s). :func:`detect` decides; the runner builds the form's
+The four forms, told for users in ``docs/distributed.md``, follow the type
+of the data axes (JAX's ``AxisType``): ``SINGLE`` (no data axis to reduce
+over), ``MANUAL`` (``axis_name`` names manual axes: inside
+:func:`jax.shard_map` or :func:`jax.pmap`), ``AUTO`` (``axis_name`` names
+Auto axes of a mesh under :func:`jax.jit`: the runner makes them manual for
+the call) and ``TYPED`` (under :func:`jax.jit`, Explicit data axes, those
+the batch is sharded over or ``axis_name``'s: the reduction is in the
+types). :func:`detect` decides; the runner builds the form's
 :class:`layout.Layout`.
 
 A mesh read off the inputs is entered (:func:`jax.sharding.use_abstract_mesh`)
@@ -30,14 +30,14 @@ from optax_accum._src import sharding
 
 SINGLE = "single"
 MANUAL = "manual"
-EXPLICIT = "explicit"
+TYPED = "typed"
 AUTO = "auto"
 
 
 class Form(NamedTuple):
   """How one call runs: its kind, its data axes and the mesh to enter."""
 
-  kind: str  # SINGLE, MANUAL, AUTO or EXPLICIT.
+  kind: str  # SINGLE, MANUAL, AUTO or TYPED.
   axis_name: axes.AxisName | None  # the data axes reduced over, or None.
   enter: Any  # an AbstractMesh read off the inputs, to enter; or None.
   leaf_axes: list[int | None]  # the batch leaves' split axes.
@@ -138,7 +138,7 @@ def detect(axis_name: axes.AxisName | None, params: Any, batch: Any,
   typed = batch_data_axes(batch, leaf_axes)
   if axis_name is None:
     if typed:
-      return Form(EXPLICIT, _name(typed), enter, leaf_axes)
+      return Form(TYPED, _name(typed), enter, leaf_axes)
     return Form(SINGLE, None, enter, leaf_axes)
   sizes = {} if mesh is None else _sizes(mesh)
   manual = set(getattr(mesh, "manual_axes", ()) or ())
@@ -165,7 +165,7 @@ def detect(axis_name: axes.AxisName | None, params: Any, batch: Any,
   if not active:
     return Form(SINGLE, None, enter, leaf_axes)
   if _explicit(mesh, active):
-    return Form(EXPLICIT, _name(active), enter, leaf_axes)
+    return Form(TYPED, _name(active), enter, leaf_axes)
   return Form(AUTO, _name(active), enter, leaf_axes)
 
 

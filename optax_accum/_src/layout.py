@@ -11,7 +11,7 @@ form:
 * :class:`manual_layout.ManualLayout` (``manual`` and ``auto``): data
   axes made manual (shard_map, pmap, or the runner's shard_map over Auto
   axes); collectives written out;
-* :class:`typed_layout.TypedLayout` (``explicit``): Explicit data axes under
+* :class:`typed_layout.TypedLayout` (``typed``): Explicit data axes under
   jit; the reduction is in the types (``reduced`` parameters, ``unreduced``
   sums).
 """

@@ -1,7 +1,7 @@
 """The runner: one driver of every entry point, in every parallel form.
 
 :func:`run` finds the form of the call (:func:`forms.detect`; the four forms,
-``single``, ``manual``, ``auto`` and ``explicit``, are told in
+``single``, ``manual``, ``auto`` and ``typed``, are told in
 ``docs/distributed.md``), builds the one :class:`layout.Layout` of that
 form, and runs the entry point's stages through it:
 
@@ -12,7 +12,7 @@ form, and runs the entry point's stages through it:
 4. *finalize*: ``Program.finalize``, the means, aux and statistics.
 
 The ``auto`` form runs the same stages inside a :func:`jax.shard_map` over
-the Auto data axes (:func:`over_mesh`); the ``explicit`` form's layout is built
+the Auto data axes (:func:`over_mesh`); the ``typed`` form's layout is built
 from a trace of *local* (:mod:`typed_build`).
 """
 
@@ -53,7 +53,7 @@ def run(program: stages.Program, settings: Settings, params: Any,
                       batching.leaf_axes(inputs.batch, settings.batch_axes))
   with forms.entered(form):
     _check(form, settings, inputs)
-    if form.kind == forms.EXPLICIT:
+    if form.kind == forms.TYPED:
       lay, partials = typed_build.build(
           lambda lay: _local(program, lay, params, inputs), params,
           settings.param_specs, settings.grad_reduction, settings.policy,
@@ -93,7 +93,7 @@ def _check(form: forms.Form, settings: Settings,
         " Make the mesh with jax.make_mesh(..., axis_types="
         "(AxisType.Explicit, ...)), or use gradient_sync='once'."
     )
-  if form.kind in (forms.EXPLICIT, forms.AUTO):
+  if form.kind in (forms.TYPED, forms.AUTO):
     batching.check_divisible(
         batching.split_size(inputs.batch, form.leaf_axes),
         settings.num_microbatches, devices=forms.axis_size(form.axis_name))

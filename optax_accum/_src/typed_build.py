@@ -1,4 +1,4 @@
-"""Building the ``explicit`` form's layout: which leaves are typed reduced.
+"""Building the ``typed`` form's layout: which leaves are typed reduced.
 
 Every floating, summed ("mean") parameter leaf is a candidate to be typed
 ``reduced`` over the data axes (:mod:`typed_layout`). :func:`build` traces

@@ -1,4 +1,4 @@
-"""The layout of the ``explicit`` form: reduced weights, unreduced sums.
+"""The layout of the ``typed`` form: reduced weights, unreduced sums.
 
 Under :func:`jax.jit` with Explicit data axes the loop runs ``loss_fn`` on
 the global micro-batch, as ``jax.jit(jax.value_and_grad(loss_fn))`` would
