@@ -31,7 +31,7 @@ def test_no_axis_on_host_inputs_is_single_with_no_mesh_to_enter():
 def test_an_auto_mesh_axis_is_mesh_and_an_explicit_one_typed():
   with jax.set_mesh(_mesh((2, 4), ("data", "model"), AxisType.Auto)):
     assert _detect("data", np.ones(8)) == forms.Form(
-        forms.MESH, "data", None, [0])
+        forms.AUTO, "data", None, [0])
   with jax.set_mesh(_mesh((2, 4), ("data", "model"))):
     assert _detect("data", np.ones(8)) == forms.Form(
         forms.TYPED, "data", None, [0])

@@ -427,13 +427,16 @@ def _fallback_sum_loss(params, batch):
   return _fallback_loss(params, batch) * helpers.num_tokens(batch)
 
 
-@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("loss_reduction,model", [
+    ("mean", False), ("sum", False), ("mean", True)])
 def test_explicit_axes_fallback_leaves_take_the_micro_batches(
-    loss_reduction):
+    loss_reduction, model):
   """SPEC 6: a reduced leaf's small batches are each device's rows of each
   micro-batch; a fallback leaf's (``b1``) the micro-batches themselves;
-  trace and squared norm add over the two groups."""
+  trace and squared norm add over the two groups. With a model axis, ``w1``
+  is sharded over it and ``w2`` replicated: each device's rows count once."""
   batch, params = _data(), _params()
+  devices = N // 2 if model else N  # along the data axis.
 
   def brute_force(microbatches, names):
     grads, tokens = [], []
@@ -443,10 +446,10 @@ def test_explicit_axes_fallback_leaves_take_the_micro_batches(
       tokens.append(helpers.num_tokens(mb))
     return _brute_force(np.stack(grads), tokens)
 
-  rows = helpers.split(batch, K * N)  # device d's i-th block: d * K + i.
+  rows = helpers.split(batch, K * devices)  # device d's i-th: d * K + i.
   blocked = jax.tree.map(
-      lambda x: x.reshape((N, K, -1) + x.shape[1:]).swapaxes(0, 1).reshape(
-          x.shape), batch)
+      lambda x: x.reshape((devices, K, -1) + x.shape[1:]).swapaxes(
+          0, 1).reshape(x.shape), batch)
   reduced = brute_force(rows, ("w1", "w2"))
   fallback = brute_force(helpers.split(blocked, K), ("b1",))
   trace = reduced[0] + fallback[0]
@@ -455,9 +458,15 @@ def test_explicit_axes_fallback_leaves_take_the_micro_batches(
   fn = oa.value_and_grad(loss, num_microbatches=K, with_stats=True,
                          num_tokens_fn=helpers.num_tokens,
                          loss_reduction=loss_reduction)
-  with jax.set_mesh(_mesh(AxisType.Explicit)):
+  if model:
+    mesh = jax.make_mesh((devices, 2), ("data", "model"),
+                         axis_types=(AxisType.Explicit,) * 2)
+    specs = {"w1": P(None, "model"), "b1": P(), "w2": P()}
+  else:
+    mesh, specs = _mesh(AxisType.Explicit), {"w1": P(), "b1": P(), "w2": P()}
+  with jax.set_mesh(mesh):
     with reduced_fallbacks.collecting() as reports:
-      _, _, stats = jax.jit(fn)(jax.device_put(params, P()),
+      _, _, stats = jax.jit(fn)(jax.device_put(params, specs),
                                 jax.device_put(batch, P("data")))
   assert reports[-1].fallback_leaves == ("params['b1']",)
   _assert_stats_close(stats, (trace, grad_sq, trace / grad_sq))

@@ -9,7 +9,7 @@ parameters, and reads the compiled program's collectives: with a data axis,
 no all-reduce or reduce-scatter over it inside the micro-batch loop unless
 ``gradient_sync="every_microbatch"`` asks for one.
 
-``docs/distributed.md`` ("What is supported") holds the table that
+``docs/support_matrix.md`` holds the table that
 :func:`render_table` makes of these cells; regenerate it with
 ``python tests/test_support_matrix.py``.
 """
@@ -32,11 +32,17 @@ from optax_accum._src import sharding
 
 K = 2  # micro-batches per device.
 BATCH, SEQ, DIM, HIDDEN = 32, 4, 8, 8
-DOC = helpers.ROOT / "docs" / "distributed.md"
+DOC = helpers.ROOT / "docs" / "support_matrix.md"
 
 ENTRIES = ("value_and_grad", "coupled_value_and_grad", "plan_microbatches")
-FORMS = ("one device", "jit + set_mesh, Auto", "jit + set_mesh, Explicit",
-         "jit, Explicit inputs, no set_mesh", "shard_map", "pmap")
+# The forms of docs/distributed.md, by how the call is made.
+ONE_DEVICE = "single: one device"
+AUTO = "auto: jit + set_mesh"
+TYPED = "typed: jit + set_mesh"
+TYPED_INPUTS = "typed: jit, the inputs' mesh"
+SHARD_MAP = "manual: shard_map"
+PMAP = "manual: pmap"
+FORMS = (ONE_DEVICE, AUTO, TYPED, TYPED_INPUTS, SHARD_MAP, PMAP)
 PARAMS = ("replicated", "FSDP", "tensor-parallel", "FSDP + tensor-parallel")
 BATCHES = ("sharded", "replicated", "-")
 FEATURES = ("num_tokens_fn, empty micro-batch", 'aux_reduction="mean"',
@@ -81,20 +87,20 @@ def not_applicable(cell) -> str | None:
   """Why a combination means nothing (it is left out), or None."""
   entry, form, feature = cell["entry"], cell["form"], cell["feature"]
   mesh = MESHES[cell["mesh"]]
-  one_device = form == "one device"
+  one_device = form == ONE_DEVICE
   if one_device != (mesh is None):
     return "one device has no mesh, every other form has one"
   if one_device and (cell["params"], cell["batch"]) != ("replicated", "-"):
     return "one device: nothing is sharded"
   if not one_device and cell["batch"] == "-":
     return "a mesh's batch is sharded or replicated"
-  if form == "pmap" and (entry != "value_and_grad"
+  if form == PMAP and (entry != "value_and_grad"
                          or cell["mesh"] != "(8,) data"
                          or cell["params"] != "replicated"
                          or cell["batch"] != "sharded"):
     return ("pmap: value_and_grad, one axis, replicated parameters, the"
             " batch mapped")
-  if form == "shard_map" and cell["batch"] != "sharded":
+  if form == SHARD_MAP and cell["batch"] != "sharded":
     return "inside shard_map the batch is this device's shard"
   if "tensor" in cell["params"] and (mesh is None or mesh.tensor is None):
     return "the mesh has no axis besides the data axes"
@@ -114,7 +120,7 @@ CELLS = helpers.pairwise_cover(
 
 # Combinations that the library refuses with its own error, run next to
 # the covering (they cover no pair): {cell id: (error type, message words)}.
-_PLANNED = dict(entry="plan_microbatches", form="jit + set_mesh, Explicit",
+_PLANNED = dict(entry="plan_microbatches", form=TYPED,
                 mesh="(8,) data", params="FSDP", batch="sharded")
 REFUSED_CELLS = [
     dict(_PLANNED, feature='gradient_sync="every_microbatch"'),
@@ -269,11 +275,11 @@ def _options(cell):
   feature, form = cell["feature"], cell["form"]
   mesh = MESHES[cell["mesh"]]
   opts = {}
-  if form != "one device":
+  if form != ONE_DEVICE:
     opts["axis_name"] = mesh.axis_name
-  if form == "jit + set_mesh, Auto":  # Auto types do not carry the layout.
+  if form == AUTO:  # Auto types do not carry the layout.
     opts["param_specs"] = _full_specs(cell)
-  elif form == "shard_map":
+  elif form == SHARD_MAP:
     opts["param_specs"] = jax.tree.map(
         lambda s: _data_part(s, mesh), _full_specs(cell),
         is_leaf=lambda x: isinstance(x, P))
@@ -343,7 +349,7 @@ def _entry_fn(cell, operands, context):
 
 def _planner_wrap(cell):
   """The planner's ``wrap=``: the step inside the cell's shard_map."""
-  if cell["form"] != "shard_map":
+  if cell["form"] != SHARD_MAP:
     return None
   return lambda fn: _planner_shard_map(cell, _mesh(cell), fn)
 
@@ -364,7 +370,7 @@ def _planner_shard_map(cell, mesh, fn):
 
 def _mesh(cell):
   mesh = MESHES[cell["mesh"]]
-  kind = (AxisType.Auto if cell["form"] == "jit + set_mesh, Auto"
+  kind = (AxisType.Auto if cell["form"] == AUTO
           else AxisType.Explicit)
   return jax.make_mesh(mesh.shape, mesh.names,
                        axis_types=(kind,) * len(mesh.shape))
@@ -415,7 +421,7 @@ def _operands(cell, mesh, keep):
   state = {"count": np.float32(0)} if feature == "has_state" else None
   args = (np.float32(keep),) if feature == "rng=" else ()
   key = _key(0) if feature == "rng=" else None
-  if cell["form"] == "pmap":
+  if cell["form"] == PMAP:
     batch = {k: x if k == "scale" else x.reshape((8, -1) + x.shape[1:])
              for k, x in batch.items()}
     return params, state, batch, args, key
@@ -435,8 +441,7 @@ def _key(seed):
 
 def _contexts(cell, mesh):
   """The context the cell's step is traced, compiled and run in."""
-  if mesh is None or cell["form"] in ("pmap",
-                                      "jit, Explicit inputs, no set_mesh"):
+  if mesh is None or cell["form"] in (PMAP, TYPED_INPUTS):
     return contextlib.nullcontext
   return lambda: jax.set_mesh(mesh)
 
@@ -451,9 +456,9 @@ def _compiled(cell, mesh, operands, context):
   """The compiled step of the cell (one compilation) and its entry fn."""
   fn = _entry_fn(cell, operands, context)
   step = _step_fn(fn)
-  if cell["form"] == "shard_map":
+  if cell["form"] == SHARD_MAP:
     step = _shard_map(cell, mesh, step)
-  elif cell["form"] == "pmap":
+  elif cell["form"] == PMAP:
     return _pmap(step, operands[2]).lower(*operands).compile(_QUICK)
   with context():
     return jax.jit(step).lower(*operands).compile(_QUICK)
@@ -467,7 +472,7 @@ def _tolerance(feature):
 def _check_values(cell, out):
   feature = cell["feature"]
   loss, grads, aux, state, stats = _unpack(cell, out)
-  if cell["form"] == "pmap":
+  if cell["form"] == PMAP:
     loss, grads, aux, state, stats = jax.tree.map(
         lambda x: x[0], (loss, grads, aux, state, stats))
   ref_loss, ref_grads, ref_hits = _reference(feature)
@@ -492,16 +497,17 @@ def _check_values(cell, out):
         float(stats.grad_sq_norm) + float(stats.trace_cov) / total, sq,
         rtol=1e-4)
     mesh = MESHES[cell["mesh"]]
-    devices = 1 if mesh is None or _typed(cell) else int(np.prod(
+    devices = 1 if mesh is None else int(np.prod(
         [mesh.shape[mesh.names.index(a)] for a in _names(mesh.axis_name)]))
-    # Each device's micro-batches are the small batches; in the typed form
-    # (Explicit axes under jit) the global micro-batches are.
+    # Each device's micro-batches (its rows of each micro-batch in the
+    # typed form: SPEC 6) are the small batches.
     assert float(stats.num_microbatches) == K * devices, stats
 
 
 def _typed(cell):
   """Whether a cell runs in the typed form: jit with Explicit data axes."""
-  return "Explicit" in cell["form"] and MESHES[cell["mesh"]] is not None
+  return cell["form"] in (TYPED, TYPED_INPUTS) and (
+      MESHES[cell["mesh"]] is not None)
 
 
 def _normalized(spec, ndim):
@@ -510,13 +516,13 @@ def _normalized(spec, ndim):
 
 
 def _check_sharding(cell, mesh, grads):
-  if mesh is None or cell["form"] == "pmap":
+  if mesh is None or cell["form"] == PMAP:
     return
   specs = _full_specs(cell)
   for name, g in grads.items():
     want = _normalized(specs[name], g.ndim)
     got = _normalized(g.sharding.spec, g.ndim)
-    if cell["form"] == "jit + set_mesh, Auto":
+    if cell["form"] == AUTO:
       assert g.sharding.is_equivalent_to(
           NamedSharding(mesh, specs[name]), g.ndim), (name, got, want)
     else:
@@ -544,10 +550,6 @@ def _check_collectives(cell, compiled):
   asked = cell["feature"].startswith("gradient_sync") and fsdp
   if asked and _typed(cell):  # XLA on CPU: an all-reduce and a slice.
     assert over_data & {"reduce-scatter", "all-reduce"}, counts
-  elif cell["feature"] == "with_stats" and _typed(cell):
-    # Each micro-batch's gradient is reduced for its norm: the typed form's
-    # documented cost of with_stats (docs/noise_scale.md).
-    assert "all-reduce" in over_data, counts
   else:
     assert ("reduce-scatter" in over_data) == bool(asked), counts
     assert ("all-reduce" in over_data) is False, counts
@@ -556,7 +558,7 @@ def _check_collectives(cell, compiled):
 
 
 def _run(cell):
-  mesh = None if MESHES[cell["mesh"]] is None or cell["form"] == "pmap" else (
+  mesh = None if MESHES[cell["mesh"]] is None or cell["form"] == PMAP else (
       _mesh(cell))
   context = _contexts(cell, mesh)
   operands = _operands(cell, mesh, keep=1.0)
@@ -575,7 +577,7 @@ def _check_rng(cell, mesh, compiled, context):
   operands = _operands(cell, mesh, keep=0.5)
   other = list(operands)
   other[4] = jax.device_put(_key(1), operands[4].sharding) if (
-      mesh is not None and cell["form"] != "pmap") else _key(1)
+      mesh is not None and cell["form"] != PMAP) else _key(1)
   with context():
     first, again, moved = (
         np.ravel(_unpack(cell, compiled(*o))[0])[0]
@@ -601,7 +603,7 @@ def test_support_matrix(cell):
 
 def test_loop_collectives_tell_a_naive_scans_data_reductions():
   """Negative control: a scan of jax.grad reduces over "data" in the loop."""
-  cell = dict(entry="value_and_grad", form="jit + set_mesh, Explicit",
+  cell = dict(entry="value_and_grad", form=TYPED,
               mesh="(2, 4) data x model", params="tensor-parallel",
               batch="sharded", feature="has_state")
   mesh = _mesh(cell)
@@ -645,7 +647,7 @@ def test_pairwise_cover_covers_every_allowed_pair_with_few_cells():
   assert cells == helpers.pairwise_cover(dims, allowed)  # deterministic.
 
 
-# The table of docs/distributed.md.
+# The table of docs/support_matrix.md.
 
 _BEGIN = "<!-- support-matrix: begin (python tests/test_support_matrix.py) -->"
 _END = "<!-- support-matrix: end -->"
@@ -712,7 +714,7 @@ def _documented() -> str:
 
 def test_docs_table_is_the_one_these_cells_render():
   assert _documented() == render_table(), (
-      "docs/distributed.md is out of date: run python"
+      "docs/support_matrix.md is out of date: run python"
       " tests/test_support_matrix.py")
 
 

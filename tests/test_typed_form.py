@@ -344,3 +344,22 @@ def test_with_the_positions_broadcast_no_gradient_is_reduced_in_the_loop():
   _close(got, _reference())
   assert reports[-1].fallback_leaves == ()
   assert helpers.reduction_bytes(compiled, mesh, ("data",))["loop"] == 0
+
+
+def test_loss_fn_is_traced_once_when_no_leaf_falls_back():
+  """The cast check reads the jaxpr of the one trace, evaluated in place."""
+  name = "data_tensor"
+  cfg = MESHES[name][2]._replace(pos_broadcast=True)
+  base, calls = tm.loss_fn(cfg), []
+
+  def loss(params, microbatch):
+    calls.append(None)
+    return base(params, microbatch)
+
+  fn = oa.value_and_grad(loss, num_microbatches=K, num_tokens_fn=tm.num_tokens)
+  with jax.set_mesh(_mesh(name)):
+    params, batch = _placed(cfg)
+    with reduced_fallbacks.collecting() as reports:
+      jax.jit(fn).trace(params, batch)
+  assert reports[-1].fallback_leaves == ()
+  assert len(calls) == 1

@@ -11,31 +11,37 @@ order, data passing downward:
 
   value_and_grad.py     checks the arguments once; builds a stages.Program
    |                    (microbatch_loop.program) and runner.Settings
-  runner.py             run(): the dispatch by form (forms.py), then
-   |  forms.py            SINGLE / MANUAL (shard_map, pmap) /
-   |                      TYPED (jit, Explicit data axes) / MESH (jit, Auto)
-   |  (TYPED)            typed_form.run(): split, hold (typed_layout.py:
-   |                      parameters reduced, sums unreduced), local,
-   |                      one reshard, finalize; reduced_fallbacks.py finds
-   |                      the leaves JAX cannot type reduced
-   |  (MESH)             over_mesh(): a shard_map over the data axes around
-   |                      on_device()
-   |  on_device()        gather: fsdp.hold (FSDP layouts, fsdp.py)
-   |                     local: Program.local -> stages.Partials
-   |                       microbatch_loop.py  the scan over micro-batches
-   |                         batching.py        split (contiguous / strided)
-   |                         loss_signature.py  how loss_fn is called
-   |                         token_weighting.py the one weighting rule
-   |                         aux_reduction.py   aux_reduction=
-   |                         microbatch_rng.py  a key per micro-batch
-   |                         noise_scale.py     with_stats sums
-   |                       coupled.py + coupled_passes.py  gradient caching
-   |                     reduce: runner.reduce -> fsdp.finish, once
-   |                     finalize: Program.finalize -> stages.Result
+  runner.py             run(): the form, once (forms.py: single / manual /
+   |                    auto / typed, by the type of the data axes), and
+   |                    its one layout.Layout:
+   |                      single    layout.SingleLayout (the identity)
+   |                      manual    manual_layout.ManualLayout (shard_map,
+   |                                pmap; fsdp.py: the FSDP policy)
+   |                      auto      the same, in runner.over_mesh's
+   |                                shard_map over the Auto data axes
+   |                      typed     typed_layout.TypedLayout, built by
+   |                                typed_build.py from one trace (the
+   |                                leaves JAX cannot type reduced:
+   |                                reduced_fallbacks.py)
+   |                    then the same stages in every form:
+   |  hold              layout.hold(params)
+   |  local             Program.local(held, inputs, layout) -> Partials
+   |                      microbatch_loop.py  the scan over micro-batches
+   |                        batching.py        split (contiguous / strided)
+   |                        loss_signature.py  how loss_fn is called
+   |                        token_weighting.py the one weighting rule
+   |                        aux_reduction.py   aux_reduction=
+   |                        microbatch_rng.py  a key per micro-batch
+   |                        noise_scale.py     with_stats sums
+   |                      coupled.py + coupled_passes.py  gradient caching
+   |  reduce            layout.reduce(partials), the one reduction
+   |  finalize          Program.finalize -> stages.Result
   value_and_grad.py     packs the Result like jax.value_and_grad
 
 stages.py holds the NamedTuples that cross those boundaries (Partials,
-Result, Program). Nothing below runner.py calls back into an entry module.
+Result, Program). The loop and gradient caching call only the layout's
+methods (layout.Layout, a Protocol): nothing below runner.py asks which
+form it is in, and nothing calls back into an entry module.
 
 **One call of** ``oa.accumulate(...).update``:
 
@@ -47,13 +53,10 @@ Result, Program). Nothing below runner.py calls back into an entry module.
   emitting.py           the lax.cond's emitting branch: the one reduction per
                         update (partial_sums.py), inner on the mean
 
-The loop and gradient caching call their layout's functions (hold,
-for_microbatch, zero_grads, add_grads, finish) on either an fsdp.Layout
-(manual axes) or a typed_layout.Layout (Explicit axes, in the types).
-
 Helpers shared by both: axes.py (manual axes, device_local), sharding.py
 (specs, gathers, reduce-scatters), validation.py (argument checks),
 partition_specs.py and state_lookup.py (reading an AccumulateState), hlo.py
 (count_collectives), planner.py (plan_microbatches), caller_warnings.py
-(every warning, at the caller's line).
+(every warning, at the caller's line). compat.py holds the workarounds for
+JAX and XLA, each saying what retires it (``grep "Remove when"``).
 """

@@ -22,9 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 
 def varying_axes_of(aval: Any) -> frozenset[str]:
-  """The manual axes over which a value of type ``aval`` may vary.
+  """Workaround: the manual axes a value of type ``aval`` may vary over.
 
-  Workaround: jax 0.9 keeps them in ``aval.vma``, jax 0.10 in
+  jax 0.9 keeps them in ``aval.vma``, jax 0.10 in
   ``aval.manual_axis_type.varying``. Remove when jax >= 0.10.2 is the
   minimum (read the second only).
   """
@@ -35,11 +35,11 @@ def varying_axes_of(aval: Any) -> frozenset[str]:
 
 
 def sharding_type_error() -> type[Exception]:
-  """The class of JAX's refusals of an operation on sharding types (a
-  ``reduced`` operand with one sharded over the same axes, and the like).
+  """Workaround: the class of JAX's refusals of sharding types.
 
-  Workaround: jax 0.9 and 0.10 raise ``ShardingTypeError`` from a private
-  module, and it derives from neither ``TypeError`` nor
+  JAX raises it for a ``reduced`` operand with one sharded over the same
+  axes, and the like. jax 0.9 and 0.10 raise ``ShardingTypeError`` from a
+  private module, and it derives from neither ``TypeError`` nor
   :class:`jax.errors.JAXTypeError`. Remove when :mod:`jax.errors` exports
   it (then name it there).
   """
@@ -52,10 +52,10 @@ def sharding_type_error() -> type[Exception]:
 
 def full(shape: tuple[int, ...], value: Any, dtype: Any,
          spec: P | None) -> jax.Array:
-  """``jnp.full(shape, value, dtype, out_sharding=spec)``.
+  """Workaround: ``jnp.full(shape, value, dtype, out_sharding=spec)``.
 
-  Workaround: ``jnp.full`` takes ``out_sharding`` from jax 0.10.2 on; zeros
-  plus the value type the same. Remove when jax >= 0.10.2 is the minimum.
+  ``jnp.full`` takes ``out_sharding`` from jax 0.10.2 on; zeros plus the
+  value type the same. Remove when jax >= 0.10.2 is the minimum.
   """
   zeros = jnp.zeros(shape, dtype, out_sharding=spec)
   return zeros + jnp.asarray(value, dtype)
@@ -94,9 +94,9 @@ def _other_explicit_axes(x: Any) -> tuple[P, set[str]] | None:
 
 
 def blockwise(collective: Callable[[Any], Any], x: Any) -> Any:
-  """``collective(x)`` on the local blocks of ``x`` over other mesh axes.
+  """Workaround: ``collective(x)`` on ``x``'s blocks over other mesh axes.
 
-  Workaround: JAX cannot type some collectives over manual (data) axes of
+  JAX cannot type some collectives over manual (data) axes of
   an operand sharded over other, Explicit mesh axes (``psum_scatter`` in
   jax 0.10: tensor parallelism inside the loop's shard_map); making those
   axes manual for the collective alone moves no data along them. Remove
@@ -112,9 +112,9 @@ def blockwise(collective: Callable[[Any], Any], x: Any) -> Any:
 
 
 def summed_in_float32(collective: Callable[[Any], Any], tree: Any) -> Any:
-  """``collective(tree)``, a sum over devices, taken in float32 at least.
+  """Workaround: ``collective(tree)``, a sum taken in float32 at least.
 
-  Workaround: XLA aborts the process (``Invalid binary instruction opcode
+  XLA aborts the process (``Invalid binary instruction opcode
   copy``) compiling a bfloat16 all-reduce or reduce-scatter in a shard_map
   that leaves other mesh axes automatic (a data x model mesh). Leaves
   narrower than float32 are widened for the collective and narrowed after
@@ -134,9 +134,9 @@ def summed_in_float32(collective: Callable[[Any], Any], tree: Any) -> Any:
 
 
 def psum_over_size1_axes(tree: Any, names: tuple[str, ...]) -> Any:
-  """:func:`jax.lax.psum` over manual axes of size 1, leaf by leaf.
+  """Workaround: :func:`jax.lax.psum` over manual axes of size 1, by leaf.
 
-  Workaround: in a partially manual program XLA cannot partition an
+  In a partially manual program XLA cannot partition an
   all-reduce over a manual axis of size 1 whose operand is sharded over
   another, Explicit axis (``RET_CHECK failure ... Cross-partition allreduce
   must be in (partial) manual partitioning mode``). The sum moves no data,
@@ -166,18 +166,16 @@ def _on_own_partials(fn: Callable[..., Any], args: tuple[Any, ...],
 
 def add_to_partials(add: Callable[..., list[Any]], grads: list[Any],
                     sums: list[Any], weight: Any) -> list[Any]:
-  """``add(grads, sums, weight)`` on each device's own partials.
+  """Workaround: ``add(grads, sums, weight)`` on each device's partials.
 
   ``add`` sees plain arrays, a device's partial of each unreduced leaf, and
   the (replicated) ``weight``, and returns the new sums: the typed loop's
   weighted add ``sum + weight * g``, which zeroes a micro-batch without
-  tokens (its partial never looked at).
-
-  Workaround: JAX has no unreduced rule for a product of an unreduced
-  array with a replicated scalar, nor for ``where`` (jax 0.9 refuses even
-  a reduced scalar). Remove when ``mul`` by a replicated scalar and
-  ``select_n`` keep ``unreduced`` (not in jax 0.11.0; ``div`` got its rule
-  on JAX's main after 0.11.0): the add is then plain array arithmetic.
+  tokens (its partial never looked at). JAX has no unreduced rule for a
+  product of an unreduced array with a replicated scalar, nor for
+  ``where`` (jax 0.9 refuses even a reduced scalar). Remove when JAX types
+  both on unreduced arrays (it does ``div`` on its main branch after
+  0.11.0): the add is then plain array arithmetic.
   """
   if not grads:
     return []
@@ -186,17 +184,16 @@ def add_to_partials(add: Callable[..., list[Any]], grads: list[Any],
 
 
 def cast_unreduced(x: Any, spec: P) -> Any:
-  """A value that is the same on every device, typed ``spec`` (unreduced).
+  """Workaround: a value the same on every device, typed ``spec``.
 
-  Its partitions are set first; then each device's partial: the value on
-  the first device of the unreduced axes, zeros on the others, so that the
-  sum over them is the value.
-
-  Workaround: one ``jax.sharding.reshard`` that changes both the partitions
-  and the unreduced axes aborts XLA, and jax 0.9's reshard to unreduced
-  kept the value on every device (its sum then counts it once per device).
-  Remove when jax >= 0.10 is the minimum and XLA compiles such a reshard
-  (then ``jax.sharding.reshard(x, spec)``; ``reduced_fallbacks.check_casts``
+  ``spec`` is unreduced over some axes. The partitions are set first; then
+  each device's partial: the value on the first device of the unreduced
+  axes, zeros on the others, so that the sum over them is the value. One
+  ``jax.sharding.reshard`` that changes both the partitions and the
+  unreduced axes aborts XLA, and jax 0.9's reshard to unreduced kept the
+  value on every device (its sum then counts it once per device). Remove
+  when jax >= 0.10 is the minimum and XLA compiles such a reshard (then
+  ``jax.sharding.reshard(x, spec)``; ``reduced_fallbacks.check_casts``
   keeps the two casts that XLA still gets wrong out of the loop).
   """
   plain = P(*_partitions(spec))

@@ -1,27 +1,15 @@
 """Which parallel form a call runs in: the runner's dispatch, in one place.
 
-An entry point (:func:`optax_accum.value_and_grad`,
-:func:`optax_accum.coupled_value_and_grad`, the steps that
-:func:`optax_accum.plan_microbatches` compiles) is called in one of four
-forms (told for users in ``docs/distributed.md``):
-
-* ``SINGLE``: no data axis to reduce over. One device, or :func:`jax.jit` of
-  sharded inputs with XLA placing the collectives (no ``axis_name``), or an
-  ``axis_name`` whose mesh axes all have size 1 (nothing to reduce).
-* ``MANUAL``: ``axis_name`` names manual axes here (inside
-  :func:`jax.shard_map` or :func:`jax.pmap`): the batch is this device's
-  shard.
-* ``TYPED``: under :func:`jax.jit`, data axes of Explicit type: those the
-  batch is sharded over (read off its type), or ``axis_name``'s. Nothing is
-  made manual around ``loss_fn``: the parameters are typed ``reduced`` over
-  the data axes and the loop sums ``unreduced`` gradients
-  (:mod:`typed_layout`). Only on a mesh whose axes are all Explicit: on one
-  that mixes in Auto or Manual axes the call is refused
-  (:func:`refuse_mixed_axis_types`).
-* ``MESH``: ``axis_name`` names Auto axes of a mesh under :func:`jax.jit`:
-  the mesh set by :func:`jax.set_mesh`, or, without it, the mesh that the
-  inputs' types carry. The runner makes those axes manual for the length of
-  the call.
+The four forms, told for users in ``docs/distributed.md``, follow the type
+of the data axes (JAX's ``AxisType``): ``SINGLE`` (no data axis to reduce
+over), ``MANUAL`` (``axis_name`` names manual axes: inside
+:func:`jax.shard_map` or :func:`jax.pmap`), ``AUTO`` (``axis_name`` names
+Auto axes of a mesh under :func:`jax.jit`: the runner makes them manual for
+the call) and ``TYPED`` (under :func:`jax.jit`, Explicit data axes, those
+the batch is sharded over or ``axis_name``'s: the reduction is in the
+types; only on a mesh whose axes are all Explicit, else refused by
+:func:`refuse_mixed_axis_types`). :func:`detect` decides; the runner
+builds the form's :class:`layout.Layout`.
 
 A mesh read off the inputs is entered (:func:`jax.sharding.use_abstract_mesh`)
 for the whole call, so that Explicit-sharded inputs work without
@@ -45,13 +33,13 @@ from optax_accum._src import sharding
 SINGLE = "single"
 MANUAL = "manual"
 TYPED = "typed"
-MESH = "mesh"
+AUTO = "auto"
 
 
 class Form(NamedTuple):
   """How one call runs: its kind, its data axes and the mesh to enter."""
 
-  kind: str  # SINGLE, MANUAL, TYPED or MESH.
+  kind: str  # SINGLE, MANUAL, AUTO or TYPED.
   axis_name: axes.AxisName | None  # the data axes reduced over, or None.
   enter: Any  # an AbstractMesh read off the inputs, to enter; or None.
   leaf_axes: list[int | None]  # the batch leaves' split axes.
@@ -183,7 +171,7 @@ def detect(axis_name: axes.AxisName | None, params: Any, batch: Any,
   if _explicit(mesh, active):
     refuse_mixed_axis_types(mesh, active, axis_name)
     return Form(TYPED, _name(active), enter, leaf_axes)
-  return Form(MESH, _name(active), enter, leaf_axes)
+  return Form(AUTO, _name(active), enter, leaf_axes)
 
 
 def _types(mesh: Any) -> dict[str, str]:

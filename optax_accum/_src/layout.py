@@ -8,10 +8,10 @@ so that they read as the single-device algorithm. One implementation per
 form:
 
 * :class:`SingleLayout` (``single``): the identity; nothing to reduce;
-* :class:`manual_layout.ManualLayout` (``manual`` and ``auto_mesh``): data
+* :class:`manual_layout.ManualLayout` (``manual`` and ``auto``): data
   axes made manual (shard_map, pmap, or the runner's shard_map over Auto
   axes); collectives written out;
-* :class:`typed_layout.TypedLayout` (``explicit``): Explicit data axes under
+* :class:`typed_layout.TypedLayout` (``typed``): Explicit data axes under
   jit; the reduction is in the types (``reduced`` parameters, ``unreduced``
   sums).
 """

@@ -1,7 +1,7 @@
-"""The layout of the ``manual`` and ``auto_mesh`` forms: data axes made manual.
+"""The layout of the ``manual`` and ``auto`` forms: data axes made manual.
 
 Inside :func:`jax.shard_map` or :func:`jax.pmap` (``manual``), or inside the
-runner's shard_map over the Auto data axes of a mesh (``auto_mesh``), each
+runner's shard_map over the Auto data axes of a mesh (``auto``), each
 device runs the loop on its shard of the batch and every collective is
 written out. Parameters follow their layout over the data axes
 (``specs``, :mod:`fsdp`'s policy): replicated ones are made device-local so

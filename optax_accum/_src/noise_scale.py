@@ -45,8 +45,10 @@ class GradStats(NamedTuple):
     grad_sq_norm: unbiased estimate of the true gradient's squared norm.
     trace_cov: unbiased estimate of the trace of the per-token gradient
       covariance.
-    num_microbatches: the micro-batches the estimate used (those with tokens,
-      not dropped), over every device under ``axis_name``.
+    num_microbatches: the small batches the estimate used (those with
+      tokens, not dropped): the micro-batches, over every device under
+      ``axis_name``; in the typed form each device's rows of each
+      micro-batch (``docs/noise_scale.md``).
   """
 
   noise_scale: jax.Array  # shape=(), dtype=jnp.float32.

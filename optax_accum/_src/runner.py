@@ -1,7 +1,7 @@
 """The runner: one driver of every entry point, in every parallel form.
 
 :func:`run` finds the form of the call (:func:`forms.detect`; the four forms,
-``single``, ``manual``, ``mesh`` and ``typed``, are told in
+``single``, ``manual``, ``auto`` and ``typed``, are told in
 ``docs/distributed.md``), builds the one :class:`layout.Layout` of that
 form, and runs the entry point's stages through it:
 
@@ -11,7 +11,7 @@ form, and runs the entry point's stages through it:
 3. *reduce*: ``layout.reduce``, the one reduction over the data axes;
 4. *finalize*: ``Program.finalize``, the means, aux and statistics.
 
-The ``mesh`` form runs the same stages inside a :func:`jax.shard_map` over
+The ``auto`` form runs the same stages inside a :func:`jax.shard_map` over
 the Auto data axes (:func:`over_mesh`); the ``typed`` form's layout is built
 from a trace of *local* (:mod:`typed_build`).
 """
@@ -59,7 +59,7 @@ def run(program: stages.Program, settings: Settings, params: Any,
           settings.param_specs, settings.grad_reduction, settings.policy,
           form.axis_name, form.leaf_axes, settings.num_microbatches)
       return program.finalize(lay.reduce(partials), params, lay)
-    if form.kind == forms.MESH:
+    if form.kind == forms.AUTO:
       return over_mesh(program, settings, form, params, inputs)
     if form.kind == forms.MANUAL:
       with manual_layout.noting_shards(settings.param_specs, params,
@@ -90,7 +90,7 @@ def _check(form: forms.Form, settings: Settings,
           " Explicit axes) or give axis_name."
       )
     _refuse_varying_batch(inputs.batch)
-  if form.kind == forms.MESH and deferred:
+  if form.kind == forms.AUTO and deferred:
     raise ValueError(
         "gradient_sync='deferred' returns the gradient typed unreduced over"
         f" axis_name={form.axis_name!r}, which needs AxisType.Explicit mesh"
@@ -98,7 +98,7 @@ def _check(form: forms.Form, settings: Settings,
         " Make the mesh with jax.make_mesh(..., axis_types="
         "(AxisType.Explicit, ...)), or use gradient_sync='once'."
     )
-  if form.kind in (forms.TYPED, forms.MESH):
+  if form.kind in (forms.TYPED, forms.AUTO):
     batching.check_divisible(
         batching.split_size(inputs.batch, form.leaf_axes),
         settings.num_microbatches, devices=forms.axis_size(form.axis_name))

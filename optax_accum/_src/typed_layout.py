@@ -325,7 +325,13 @@ class TypedLayout(NamedTuple):
       else:
         term = sq / safe
       term = jnp.where(has, term, 0.0)
-      return lax.psum((term, has.astype(jnp.float32)), names)
+      # Each device of the data axes counts its rows once: its copies over
+      # the model axes count 1 / copies each.
+      copies = 1
+      for name in names:
+        if name not in data:
+          copies *= lax.axis_size(name)
+      return lax.psum((term, has.astype(jnp.float32) / copies), names)
 
     term, counted = jax.shard_map(
         local, in_specs=(specs, sharding.full_spec(shares), P()),
