@@ -93,19 +93,10 @@ def info_nce(w, reps, batch):
   return -jnp.mean(jnp.diag(jax.nn.log_softmax(logits, axis=1)))
 
 
-# jax 0.9.1's typed form: a parameter that encode_fn uses twice (both towers'
-# w) came back with D times its gradient, silently (see the report of the
-# recipes branch); jax 0.10.2 is exact.
-_OLD_JAX_TYPED_COUPLED = pytest.mark.xfail(
-    jax.__version_info__ < (0, 10), strict=True, raises=AssertionError,
-    reason="jax 0.9: coupled_value_and_grad in the typed form gives D x the"
-    " gradient of a parameter that encode_fn uses twice")
-
-
-@pytest.mark.parametrize("form", [
-    pytest.param(f, marks=_OLD_JAX_TYPED_COUPLED) if f.startswith("explicit")
-    else f for f in FORMS])
+@pytest.mark.parametrize("form", list(FORMS))
 def test_the_coupled_losses_recipe(form):
+  """On jax 0.9.1 the typed form gave D x the gradient of a parameter that
+  encode_fn uses twice (a plain carry add of unreduced sums)."""
   axis_type, axis_name = FORMS[form]
   views = {"a": jax.random.normal(jax.random.key(0), (ROWS, 4))}
   views["b"] = views["a"] + 0.1 * jax.random.normal(jax.random.key(1),
@@ -201,13 +192,7 @@ def _activation_loss(params, mb, activation):
 
 
 @pytest.mark.parametrize("form", [
-    "explicit", "explicit, axis_name", "auto",
-    pytest.param("auto, axis_name", marks=pytest.mark.xfail(
-        strict=True, raises=TypeError,
-        reason="runner.over_mesh passes *args through jax.shard_map, which"
-        " cannot take a non-array leaf ('Cannot interpret value of type"
-        " custom_jvp as an abstract array'); proposed fix in the report")),
-])
+    "explicit", "explicit, axis_name", "auto", "auto, axis_name"])
 def test_a_non_array_in_args_reaches_loss_fn(form):
   axis_type, axis_name = FORMS[form]
   grad_fn = oa.value_and_grad(_activation_loss, num_microbatches=K,
@@ -227,10 +212,6 @@ def _embed_loss(params, mb, graphdef):
   return jnp.mean(embed(mb["ids"], out_sharding=P("data", None)) ** 2)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="runner.over_mesh adds its note to ValueError only;"
-    " this annotation raises JAX's NotImplementedError ('Going from Manual"
-    " AxisType to Auto or Explicit AxisType is not allowed')")
 def test_an_annotation_naming_an_auto_data_axis_gets_our_hint():
   """SPEC 10: with Auto axes and axis_name, loss_fn naming a data axis gets
   an error from optax_accum that says to use Explicit axes."""

@@ -13,6 +13,8 @@ from jax import lax
 import jax.numpy as jnp
 
 from optax_accum._src import batching
+from optax_accum._src import compat
+from optax_accum._src import unreduced_sums
 
 
 class LossOnReps(NamedTuple):
@@ -106,6 +108,19 @@ def loss_on_reps(loss_fn, has_aux, params, reps, batch, args) -> LossOnReps:
   return LossOnReps(loss, aux, direct, cotangents)
 
 
+def _add(grad_sum, grads):
+  """``grad_sum + grads``; unreduced sums are added on each device's own
+  partials (:func:`compat.add_to_partials`): jax 0.9.1 gave D times the
+  gradient of a parameter used twice in ``encode_fn`` with a plain add."""
+  sums, treedef = jax.tree.flatten(grad_sum)
+  new = [g.astype(s.dtype) for s, g in zip(sums, jax.tree.leaves(grads))]
+  if not any(unreduced_sums.unreduced_axes(s) for s in sums):
+    return treedef.unflatten([s + g for s, g in zip(sums, new)])
+  return treedef.unflatten(compat.add_to_partials(
+      lambda g, s, w: [a + b for a, b in zip(s, g)], new, sums,
+      jnp.float32(1.0)))
+
+
 def pull_back(encode_fn, params, batch_split: batching.Split, keys,
               cotangents, init, args):
   """The second pass: adds each micro-batch's J^T cotangent to ``init``.
@@ -123,9 +138,7 @@ def pull_back(encode_fn, params, batch_split: batching.Split, keys,
         params,
     )
     (grads,) = vjp(cotangent)
-    return jax.tree.map(
-        lambda s, g: s + g.astype(s.dtype), grad_sum, grads
-    ), None
+    return _add(grad_sum, grads), None
 
   grad_sum, _ = lax.scan(
       step, init, (_indices(batch_split), keys, cotangents))

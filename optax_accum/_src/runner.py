@@ -213,13 +213,22 @@ def over_mesh(program: stages.Program, settings: Settings, form: forms.Form,
   replicated = inputs._replace(batch=None)
   param_specs = _param_specs(params, settings.param_specs, axis_name)
 
-  def body(params, batch, replicated):
+  # Non-array leaves of *args (an Equinox model's static part) cannot cross
+  # the shard_map boundary: closed over, the arrays passed.
+  flat, treedef = jax.tree.flatten(replicated)
+  is_array = [loss_signature.is_array(x) for x in flat]
+  arrays = [x for x, a in zip(flat, is_array) if a]
+
+  def body(params, batch, arrays):
+    it = iter(arrays)
+    replicated = treedef.unflatten(
+        [next(it) if a else x for x, a in zip(flat, is_array)])
     lay = manual_layout.build(params, param_specs, axis_name,
                               settings.policy, form.leaf_axes)
     try:
       result = on_device(program, lay, params,
                          replicated._replace(batch=batch))
-    except ValueError as e:  # JAX's, kept: the hint is a note.
+    except (ValueError, NotImplementedError) as e:  # JAX's, with a note.
       e.add_note(_manual_axes_note(axis_name))
       raise
     aux = result.aux._replace(
@@ -236,4 +245,4 @@ def over_mesh(program: stages.Program, settings: Settings, form: forms.Form,
       out_specs=out_specs,
       axis_names=set(axes.axes_of(axis_name)),
   )
-  return sharded(params, batch, replicated)
+  return sharded(params, batch, arrays)
