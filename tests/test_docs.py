@@ -154,3 +154,9 @@ def test_site_python_blocks_run(path, capsys):
              for i in range(len(printed) + 1)), printed
   if path == "docs/flax.md":
     assert int(namespace["state"].step) == 3  # the linen TrainState recipe
+
+
+def test_distributed_tells_the_forms_in_at_most_300_lines():
+  """The forms are told once: the support matrix lives on its own page."""
+  lines = (DOCS / "distributed.md").read_text().splitlines()
+  assert len(lines) <= 300, len(lines)
