@@ -96,6 +96,67 @@ def test_count_collectives_rejects_what_is_not_compiled_hlo():
   assert oa.count_collectives(lowered).total == {}  # compiled for us.
 
 
+def _loop_and_after(mesh):
+  """A program with an all-reduce over 'b' in a scan and one over 'a' after."""
+  def step(x):
+    total, _ = jax.lax.scan(
+        lambda c, xi: (c + jax.lax.psum(xi, "b"), None), jnp.zeros(16), x)
+    return jax.lax.psum(total, "a")
+
+  return jax.shard_map(step, mesh=mesh, in_specs=P(None, mesh.axis_names),
+                       out_specs=P(), check_vma=False)
+
+
+def _same_counts(program, text, mesh):
+  for kwargs in ({}, {"mesh": mesh}, {"include_scalars": False}):
+    assert oa.count_collectives(program, **kwargs) == oa.count_collectives(
+        text, **kwargs), kwargs
+
+
+def test_count_collectives_reads_every_stage_of_jit_as_its_text():
+  mesh = _auto_mesh((2, 4), ("a", "b"))
+  lowered = jax.jit(_loop_and_after(mesh)).lower(jnp.ones((3, 128)))
+  compiled = lowered.compile()
+  text = compiled.as_text()
+  counts = oa.count_collectives(text, mesh=mesh)
+  assert counts.in_loop == {"all-reduce": 1}
+  assert counts.outside == {"all-reduce": 1}
+  assert list(counts.by_axes) == [("a",), ("b",)]
+  for program in (compiled, lowered, compiled.runtime_executable()):
+    _same_counts(program, text, mesh)
+
+
+def test_count_collectives_reads_the_stages_of_nnx_jit():
+  """nnx.jit's Lowered and Compiled wrap jax's: read as their text."""
+  nnx = pytest.importorskip("flax.nnx")
+  mesh = _auto_mesh((2, 4), ("a", "b"))
+  lowered = nnx.jit(_loop_and_after(mesh)).lower(jnp.ones((3, 128)))
+  compiled = lowered.compile()
+  assert not isinstance(compiled, jax.stages.Compiled)  # flax's own class.
+  text = compiled.as_text()
+  assert oa.count_collectives(compiled).in_loop == {"all-reduce": 1}
+  _same_counts(compiled, text, mesh)
+  _same_counts(lowered, text, mesh)
+
+
+@pytest.mark.parametrize("result, scalars", [
+    ("f32[]", True),
+    ("(f32[], f32[])", True),  # XLA's CPU combiner: a tuple of scalars.
+    ("f32[2]", True),  # XLA's GPU combiner: the scalars concatenated.
+    ("(f32[4], s32[])", True),
+    ("f32[8]", True),
+    ("f32[9]", False),
+    ("(f32[], f32[16,16])", False),  # a gradient combined with a scalar.
+])
+def test_include_scalars_false_leaves_out_combined_scalars(result, scalars):
+  text = ("ENTRY %main (x: f32[8]) -> f32[8] {\n"
+          f"  ROOT %c = {result} all-reduce(%x), replica_groups={{}},"
+          " to_apply=%add\n}")
+  counted = oa.count_collectives(text, include_scalars=False).total
+  assert counted == ({} if scalars else {"all-reduce": 1})
+  assert oa.count_collectives(text).total == {"all-reduce": 1}
+
+
 def test_by_axes_splits_the_places_of_every_collective():
   """Groups absent or {} mean every device: all axes of size above 1."""
   mesh = jax.sharding.AbstractMesh((2, 1, 4), ("data", "fsdp", "model"))

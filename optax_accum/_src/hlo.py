@@ -45,6 +45,13 @@ _MESH_GROUPS = re.compile(
 _MESH_AXIS = re.compile(r"'?([^'=,\s]+)'?=(\d+)")
 _GROUP_AXIS = re.compile(r"'?([^':,\s]+)'?(?::\((\d+)\)(\d+))?")
 _LOOP_ATTRIBUTES = ("condition", "body")
+# With include_scalars=False, a collective whose result holds at most this
+# many elements, all its parts together, counts as one of scalars: a loss, a
+# token count, or what XLA combined of them (its GPU combiner concatenates
+# the loss and the token count into one f32[2] all-reduce; its CPU combiner
+# makes a tuple (f32[], f32[])). A gradient leaf that small (a bias of 8
+# units) is left out with them; its bytes are negligible beside a model's.
+SCALAR_ELEMENTS = 8
 _BRANCH_ATTRIBUTES = (
     "branch_computations",
     "true_computation",
@@ -153,18 +160,37 @@ def _device_groups(
   return [list(range(num_devices))]  # no groups given: every device.
 
 
-def _logical_to_mesh_position(program: Any, mesh: Any) -> np.ndarray:
-  """For each logical device id of ``program``, its flat index in ``mesh``.
+def _device_assignment(compiled: Any) -> list[Any] | None:
+  """The devices of a compiled program's logical ids, in order, or None.
 
-  A compiled program tells its device assignment; for HLO text, an abstract
-  mesh, or a program spanning several processes, the mesh's own device order
-  is assumed, which is the order ``jit`` under that mesh uses.
+  A program loaded on this process's devices tells them. One compiled for
+  compile-only devices (``jax.experimental.topologies``) is never loaded and
+  has none of its own: ``jit`` assigned it the devices of its arguments'
+  shardings (they all agree), in the order of their mesh.
+  """
+  executable = compiled.runtime_executable()
+  if hasattr(executable, "local_devices"):
+    return list(executable.local_devices())
+  for s in jax.tree.leaves((compiled.input_shardings,
+                            compiled.output_shardings)):
+    if (isinstance(s, jax.sharding.NamedSharding)
+        and isinstance(s.mesh, jax.sharding.Mesh)):
+      return list(s.mesh.devices.flat)
+  return None
+
+
+def _logical_to_mesh_position(devices: list[Any] | None,
+                              mesh: Any) -> np.ndarray:
+  """For each logical device id of a program, its flat index in ``mesh``.
+
+  ``devices`` are the program's own device assignment, where known. For HLO
+  text, an abstract mesh, or a program spanning several processes, the
+  mesh's own device order is assumed, which is the order ``jit`` under that
+  mesh uses.
   """
   identity = np.arange(math.prod(mesh.axis_sizes))
-  if not (isinstance(mesh, jax.sharding.Mesh)
-          and isinstance(program, jax.stages.Compiled)):
+  if devices is None or not isinstance(mesh, jax.sharding.Mesh):
     return identity
-  devices = program.runtime_executable().local_devices()
   if len(devices) != mesh.devices.size:  # several processes: local devices.
     return identity
   where = {device: i for i, device in enumerate(mesh.devices.flat)}
@@ -221,19 +247,34 @@ class _Tally:
     )
 
 
-def _hlo_text(program: Any) -> str:
-  """The optimized HLO text of a compiled or lowered program, or text as is."""
+def _read(program: Any) -> tuple[str, list[Any] | None]:
+  """The optimized HLO text of ``program`` and its devices (None: unknown).
+
+  Takes HLO text as is; a :class:`jax.stages.Compiled` (loaded, or compiled
+  for compile-only devices); a :class:`jax.stages.Lowered`, compiled here;
+  ``nnx.jit``'s stages, which hold jax's as ``.compiled`` and ``.lowered``;
+  and a bare XLA executable (``compiled.runtime_executable()``).
+  """
   if isinstance(program, str):
-    return program
+    return program, None
+  # Flax's nnx.jit stages wrap jax's own (read by attribute: no flax import).
+  if isinstance(getattr(program, "lowered", None), jax.stages.Lowered):
+    program = program.lowered
   if isinstance(program, jax.stages.Lowered):
     program = program.compile()
+  if isinstance(getattr(program, "compiled", None), jax.stages.Compiled):
+    program = program.compiled
   if isinstance(program, jax.stages.Compiled):
     text = program.as_text()
     if isinstance(text, str):
-      return text
+      return text, _device_assignment(program)
+  elif callable(getattr(program, "hlo_modules", None)):  # an XLA executable.
+    devices = getattr(program, "local_devices", None)
+    return ("\n\n".join(m.to_string() for m in program.hlo_modules()),
+            None if devices is None else list(devices()))
   raise TypeError(
-      "Expected a compiled program (jax.jit(f).lower(*args).compile()), a"
-      " lowered one, or its HLO text, got"
+      "Expected a compiled program (jax.jit(f).lower(*args).compile(), or"
+      " nnx.jit's), a lowered one, an XLA executable, or its HLO text, got"
       f" {type(program).__name__}."
   )
 
@@ -313,16 +354,26 @@ def count_collectives(
   over every device has every axis of size above 1.
 
   Args:
-    program: a compiled program (``jax.jit(f).lower(*args).compile()``), a
-      lowered one (it is compiled), or its HLO text (``compiled.as_text()``).
+    program: a compiled program (``jax.jit(f).lower(*args).compile()``, or
+      the ``Compiled`` of ``nnx.jit``), including one compiled for
+      compile-only devices (``jax.experimental.topologies``); a lowered one
+      (it is compiled); an XLA executable
+      (``compiled.runtime_executable()``); or its HLO text
+      (``compiled.as_text()``). Each gives the counts its text gives.
     mesh: the :class:`jax.sharding.Mesh` the program was compiled for (or an
       :class:`jax.sharding.AbstractMesh` of its shape), to count by mesh axes.
       The device ids in HLO text are read in the mesh's device order
       (``mesh.devices.flat``), the order ``jit`` under the mesh uses; a
-      compiled program's own device assignment is used when it has one.
-    include_scalars: False leaves out the collectives of scalars only (a
-      loss, a token count: what a loss on a batch sharded over the data axes
-      reduces in every micro-batch), to see the gradient-sized ones.
+      compiled program's own device assignment is used when it has one
+      (for compile-only devices, that of its arguments' shardings).
+    include_scalars: False leaves out the collectives of scalars (a loss, a
+      token count: what a loss on a batch sharded over the data axes reduces
+      in every micro-batch), to see the gradient-sized ones. What XLA
+      combined of scalars counts as scalars too: a collective whose result
+      holds at most ``SCALAR_ELEMENTS`` (8) elements in all, such as the
+      ``f32[2]`` all-reduce of a loss and a token count that XLA's GPU
+      compiler makes. A gradient leaf of 8 elements or fewer is left out
+      with them.
 
   Returns:
     A :class:`CollectiveCounts` of dicts mapping collective names to counts:
@@ -333,6 +384,7 @@ def count_collectives(
     over exactly those axes; without it, ``by_axes`` is None.
 
   Raises:
+    TypeError: if ``program`` is none of the above.
     ValueError: if ``program`` is not compiled HLO, or with ``mesh`` if a
       collective's device groups name devices outside ``mesh`` or are written
       in a form this does not read.
@@ -370,15 +422,13 @@ def count_collectives(
     ('data',) {} {'all-reduce': 1}
     ('model',) {'all-reduce': 1} {}
   """
-  positions = None if mesh is None else _logical_to_mesh_position(
-      program, mesh)
   tally = _Tally()
   tally_by_axes = collections.defaultdict(_Tally)
-  for found in _collectives(program, positions, mesh):
+  for found in collectives(program, mesh):
     if found.scalar and not include_scalars:
       continue
     tally.add(found.collective, found.looped, found.branched)
-    if positions is not None:
+    if mesh is not None:
       tally_by_axes[found.axes].add(found.collective, found.looped,
                                     found.branched)
   if mesh is None:
@@ -396,7 +446,9 @@ class Collective(NamedTuple):
   branched: bool  # inside a branch of a conditional.
   axes: tuple[str, ...] | None  # the mesh axes it spans (None: no mesh).
   nbytes: int  # the bytes of its result (all of a tuple's parts).
-  scalar: bool  # whether every part of its result is a scalar.
+  # Whether its result holds at most SCALAR_ELEMENTS elements in all: the
+  # collective of a few scalars, or of what XLA combined them into.
+  scalar: bool
 
 
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64"
@@ -414,10 +466,10 @@ def _result_shapes(line: str) -> list[tuple[str, list[int]]]:
           _SHAPE.findall(head[:opcode_at])]
 
 
-def _collectives(program: Any, positions: Any = None,
+def _collectives(text: str, positions: Any = None,
                  mesh: Any = None) -> list[Collective]:
-  """Every collective of ``program``, walking loops and branches."""
-  entry, computations = _parse(_hlo_text(program))
+  """Every collective of the HLO ``text``, walking loops and branches."""
+  entry, computations = _parse(text)
   found = []
 
   def visit(name, looped, branched, path):
@@ -431,8 +483,8 @@ def _collectives(program: Any, positions: Any = None,
         shapes = _result_shapes(line)
         found.append(Collective(
             collective, looped, branched, axes,
-            sum(_ITEMSIZE[t] * math.prod(d or [1]) for t, d in shapes),
-            all(not d for _, d in shapes)))
+            sum(_ITEMSIZE[t] * math.prod(d) for t, d in shapes),
+            sum(math.prod(d) for _, d in shapes) <= SCALAR_ELEMENTS))
       if opcode in _ASYNC_CONTINUATIONS:  # the same computation as its start.
         continue
       for attribute, called in _CALLED.findall(rest):
@@ -452,9 +504,10 @@ def _collectives(program: Any, positions: Any = None,
 
 def collectives(program: Any, mesh: Any = None) -> list[Collective]:
   """Every collective of a compiled ``program``, with its bytes and axes."""
+  text, devices = _read(program)
   positions = None if mesh is None else _logical_to_mesh_position(
-      program, mesh)
-  return _collectives(program, positions, mesh)
+      devices, mesh)
+  return _collectives(text, positions, mesh)
 
 
 def _collective_axes(
