@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import optax_accum as oa
+from optax_accum._src import hlo
 
 _HLO = """\
 HloModule m
@@ -139,22 +140,51 @@ def test_count_collectives_reads_the_stages_of_nnx_jit():
   _same_counts(lowered, text, mesh)
 
 
-@pytest.mark.parametrize("result, scalars", [
-    ("f32[]", True),
-    ("(f32[], f32[])", True),  # XLA's CPU combiner: a tuple of scalars.
-    ("f32[2]", True),  # XLA's GPU combiner: the scalars concatenated.
-    ("(f32[4], s32[])", True),
-    ("f32[8]", True),
-    ("f32[9]", False),
-    ("(f32[], f32[16,16])", False),  # a gradient combined with a scalar.
-])
-def test_include_scalars_false_leaves_out_combined_scalars(result, scalars):
-  text = ("ENTRY %main (x: f32[8]) -> f32[8] {\n"
-          f"  ROOT %c = {result} all-reduce(%x), replica_groups={{}},"
-          " to_apply=%add\n}")
-  counted = oa.count_collectives(text, include_scalars=False).total
-  assert counted == ({} if scalars else {"all-reduce": 1})
-  assert oa.count_collectives(text).total == {"all-reduce": 1}
+_COMBINED = """\
+%wrapped (p0: f32[1], p1: f32[1]) -> f32[2] {
+  %p0 = f32[1]{0} parameter(0)
+  %p1 = f32[1]{0} parameter(1)
+  ROOT %c = f32[2]{0} concatenate(%p0, %p1), dimensions={0}
+}
+
+%wrapped_grads (p0: f32[16], p1: f32[1]) -> f32[17] {
+  %p0 = f32[16]{0} parameter(0)
+  %p1 = f32[1]{0} parameter(1)
+  ROOT %c = f32[17]{0} concatenate(%p0, %p1), dimensions={0}
+}
+
+ENTRY %main (x: f32[], t: f32[1], g: f32[16], w: f32[2]) -> f32[2] {
+  %x = f32[] parameter(0)
+  %t = f32[1]{0} parameter(1)
+  %g = f32[16]{0} parameter(2)
+  %w = f32[2]{0} parameter(3)
+  %xb = f32[1]{0} bitcast(%x)
+  %scalars = f32[2]{0} concatenate(%xb, %t), dimensions={0}
+  %fused = f32[2]{0} fusion(%xb, %t), kind=kLoop, calls=%wrapped
+  %grads = f32[17]{0} fusion(%g, %t), kind=kLoop, calls=%wrapped_grads
+  %a = f32[] all-reduce(%x), replica_groups={}, to_apply=%add
+  %b = (f32[], f32[]) all-reduce(%x, %x), replica_groups={}, to_apply=%add
+  %c = f32[2]{0} all-reduce(%scalars), replica_groups={}, to_apply=%add
+  %d = f32[2]{0} all-reduce-start(%fused), replica_groups={}, to_apply=%add
+  %e = f32[2]{0} all-reduce(%w), replica_groups={}, to_apply=%add
+  %f = f32[17]{0} all-reduce(%grads), replica_groups={}, to_apply=%add
+  ROOT %h = (f32[], f32[16]{0}) all-reduce(%x, %g), replica_groups={}
+}"""
+
+
+def test_include_scalars_false_leaves_out_what_xla_made_of_scalars():
+  """Scalars, a tuple of them, and XLA's concatenations of scalars (GPU).
+
+  Not a gradient of two elements, a concatenation of gradients, or a tuple
+  of a gradient and a scalar.
+  """
+  found = {c.nbytes: c.scalar for c in hlo.collectives(_COMBINED)}
+  assert [c.scalar for c in hlo.collectives(_COMBINED)] == [
+      True, True, True, True, False, False, False]
+  assert found[68] is False  # f32[17]: the gradient concatenated.
+  counts = oa.count_collectives(_COMBINED, include_scalars=False)
+  assert counts.total == {"all-reduce": 3}
+  assert oa.count_collectives(_COMBINED).total == {"all-reduce": 7}
 
 
 def test_by_axes_splits_the_places_of_every_collective():

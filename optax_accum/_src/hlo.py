@@ -27,6 +27,8 @@ _ASYNC_CONTINUATIONS = ("async-update", "async-done")
 _COMPUTATION_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")
 _OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
+_NAME = re.compile(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=")
+_OPERANDS = re.compile(r"^[a-z][a-z0-9\-]*\(([^()]*)\)")
 _CALLED = re.compile(
     r"\b(condition|body|to_apply|calls|branch_computations|true_computation"
     r"|false_computation)=(\{[^}]*\}|%?[^\s,)]+)"
@@ -45,13 +47,6 @@ _MESH_GROUPS = re.compile(
 _MESH_AXIS = re.compile(r"'?([^'=,\s]+)'?=(\d+)")
 _GROUP_AXIS = re.compile(r"'?([^':,\s]+)'?(?::\((\d+)\)(\d+))?")
 _LOOP_ATTRIBUTES = ("condition", "body")
-# With include_scalars=False, a collective whose result holds at most this
-# many elements, all its parts together, counts as one of scalars: a loss, a
-# token count, or what XLA combined of them (its GPU combiner concatenates
-# the loss and the token count into one f32[2] all-reduce; its CPU combiner
-# makes a tuple (f32[], f32[])). A gradient leaf that small (a bias of 8
-# units) is left out with them; its bytes are negligible beside a model's.
-SCALAR_ELEMENTS = 8
 _BRANCH_ATTRIBUTES = (
     "branch_computations",
     "true_computation",
@@ -369,11 +364,12 @@ def count_collectives(
     include_scalars: False leaves out the collectives of scalars (a loss, a
       token count: what a loss on a batch sharded over the data axes reduces
       in every micro-batch), to see the gradient-sized ones. What XLA
-      combined of scalars counts as scalars too: a collective whose result
-      holds at most ``SCALAR_ELEMENTS`` (8) elements in all, such as the
+      combined of scalars counts as scalars too: a tuple of scalars, and a
+      collective of XLA's concatenation of scalars (a ``concatenate``, or a
+      fusion whose root is one, of parts of one element each), such as the
       ``f32[2]`` all-reduce of a loss and a token count that XLA's GPU
-      compiler makes. A gradient leaf of 8 elements or fewer is left out
-      with them.
+      compiler makes. Read from the program's structure, not the sizes: a
+      gradient of two elements is counted.
 
   Returns:
     A :class:`CollectiveCounts` of dicts mapping collective names to counts:
@@ -446,8 +442,8 @@ class Collective(NamedTuple):
   branched: bool  # inside a branch of a conditional.
   axes: tuple[str, ...] | None  # the mesh axes it spans (None: no mesh).
   nbytes: int  # the bytes of its result (all of a tuple's parts).
-  # Whether its result holds at most SCALAR_ELEMENTS elements in all: the
-  # collective of a few scalars, or of what XLA combined them into.
+  # Whether it reduces scalars only: every part of its result is a scalar,
+  # or its operand is XLA's concatenation of scalars (its GPU combiner's).
   scalar: bool
 
 
@@ -464,6 +460,47 @@ def _result_shapes(line: str) -> list[tuple[str, list[int]]]:
   opcode_at = head.find(_operation(line)[0] + "(")
   return [(dtype, _ints(dims)) for dtype, dims in
           _SHAPE.findall(head[:opcode_at])]
+
+
+def _name(line: str) -> str:
+  return _NAME.match(line).group(1)
+
+
+def _elements(line: str) -> int:
+  return sum(math.prod(d) for _, d in _result_shapes(line))
+
+
+def _concatenates_scalars(rest: str, computation: str,
+                          computations: dict[str, Any]) -> bool:
+  """Whether a collective's one operand is XLA's concatenation of scalars.
+
+  XLA's GPU combiner concatenates the scalars that several all-reduces sum
+  (a loss, a token count) into one small array, a ``concatenate`` or a
+  fusion whose root is one, each of its parts a scalar or one element.
+  """
+  operands = _OPERANDS.match(rest)
+  names = operands.group(1).split(",") if operands else []
+  if len(names) != 1:
+    return False
+  lines = {_name(line): (op, r, line)
+           for op, r, line in computations.get(computation, ())}
+  found = lines.get(names[0].split()[-1].lstrip("%"))
+  if found is None:
+    return False
+  opcode, rest, _ = found
+  if opcode == "concatenate":
+    parts = _OPERANDS.match(rest).group(1).split(",")
+    return all(
+        (part := lines.get(name.split()[-1].lstrip("%"))) is not None
+        and _elements(part[2]) <= 1 for name in parts)
+  called = re.search(r"\bcalls=%?([^\s,)]+)", rest)
+  if opcode != "fusion" or called is None:
+    return False
+  fused = computations.get(called.group(1), ())
+  roots = [op for op, _, line in fused if line.lstrip().startswith("ROOT")]
+  params = [line for op, _, line in fused if op == "parameter"]
+  return (roots == ["concatenate"] and bool(params)
+          and all(_elements(line) <= 1 for line in params))
 
 
 def _collectives(text: str, positions: Any = None,
@@ -484,7 +521,8 @@ def _collectives(text: str, positions: Any = None,
         found.append(Collective(
             collective, looped, branched, axes,
             sum(_ITEMSIZE[t] * math.prod(d) for t, d in shapes),
-            sum(math.prod(d) for _, d in shapes) <= SCALAR_ELEMENTS))
+            all(not d for _, d in shapes)
+            or _concatenates_scalars(rest, name, computations)))
       if opcode in _ASYNC_CONTINUATIONS:  # the same computation as its start.
         continue
       for attribute, called in _CALLED.findall(rest):
