@@ -243,9 +243,10 @@ def _in_process(cfg):
   missing = co.missing_tpu()
   if missing:
     return {"skipped": missing}
-  devices = co.tpu_devices(TOPOLOGY)
+  topology = cfg.get("topology", TOPOLOGY)  # "v5p:2x2x2" has 8 chips too.
+  devices = co.tpu_devices(topology)
   return {"k": cfg["k"], "batch": cfg["batch"], "model": cfg["model"],
-          "topology": TOPOLOGY, "device_kind": devices[0].device_kind,
+          "topology": topology, "device_kind": devices[0].device_kind,
           "jax": jax.__version__,
           "meshes": {name: _mesh_run(name, cfg, devices)
                      for name in cfg.get("meshes", MESHES)}}
