@@ -56,10 +56,12 @@ KEY = "k"
 TITLE = "Compiled for TPU v5e (2x4): memory and data reductions at 1B"
 TOPOLOGY = "v5e:2x4"
 CONFIGS = {
-    "full": {"k": 8, "batch": 64, "patterns": True, "model": {
+    "full": {"k": 8, "batch": 64, "patterns": True,
+             "meshes": ["data x tensor", "fsdp"], "model": {
         "vocab": 32768, "seq": 1024, "dim": 4096, "heads": 32,
         "ffn": 16384, "layers": 4}},
-    "quick": {"k": 8, "batch": 64, "patterns": True, "model": {
+    "quick": {"k": 8, "batch": 64, "patterns": True,
+              "meshes": ["data x tensor", "fsdp"], "model": {
         "vocab": 32768, "seq": 1024, "dim": 2048, "heads": 16,
         "ffn": 8192, "layers": 2}},
     "toy": {"k": 2, "batch": 32, "patterns": False,
@@ -242,7 +244,7 @@ def _mesh_run(name, cfg_run, devices):
 def _in_process(cfg):
   missing = co.missing_tpu()
   if missing:
-    return {"skipped": missing}
+    return {"skipped": missing, "compiled": 0}
   topology = cfg.get("topology", TOPOLOGY)  # "v5p:2x2x2" has 8 chips too.
   devices = co.tpu_devices(topology)
   return {"k": cfg["k"], "batch": cfg["batch"], "model": cfg["model"],
@@ -254,7 +256,7 @@ def _in_process(cfg):
 
 def run(cfg):
   if co.missing_tpu():
-    return {"skipped": co.missing_tpu()}
+    return {"skipped": co.missing_tpu(), "compiled": 0}
   # libtpu in a fresh process: this one may hold it already (pytest).
   return harness.in_child(__file__, cfg,
                           env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
