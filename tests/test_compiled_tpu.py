@@ -18,6 +18,7 @@ import pytest
 
 import compile_only as co
 import optax_accum as oa
+from optax_accum._src import hlo
 import typed_model as tm
 
 pytestmark = pytest.mark.skipif(co.missing_tpu() is not None,
@@ -79,6 +80,18 @@ def test_count_collectives_reads_the_compile_only_executable():
     counts = oa.count_collectives(compiled, mesh=mesh, **kwargs)
     assert counts == oa.count_collectives(text, mesh=mesh, **kwargs)
     assert counts.by_axes  # every collective placed on mesh axes.
+
+
+def test_a_compile_only_program_has_its_arguments_device_order():
+  """Logical ids are the devices of the arguments' mesh, in its order."""
+  devices = co.tpu_devices()[::-1]  # not in id order.
+  mesh = co.mesh(devices, (4, 2), ("data", "tensor"))
+  x = co.abstract(jax.ShapeDtypeStruct((8, 128), jnp.float32), mesh,
+                  P("data", "tensor"))
+  compiled = _compile(mesh, lambda x: x.sum(0), x)
+  assert hlo._device_assignment(compiled) == list(devices)
+  counts = oa.count_collectives(compiled, mesh=mesh).by_axes
+  assert list(counts) == [("data",)], counts
 
 
 def test_typed_form_reduces_no_gradient_over_data_in_the_loop():
