@@ -183,11 +183,12 @@ def test_a_psum_scatter_of_a_partial_gradient_is_a_reduce_scatter():
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "SPEC 11: the typed form reduces an FSDP gradient with a full-size"
-    " all-reduce over fsdp on TPU (then slices it), not a reduce-scatter;"
-    " XLA's TPU compiler does not form reduce-scatters from all-reduce +"
-    " slice (its GPU compiler does). Fix in typed_layout.py: see the"
-    " report of issue 33."))
+    "SPEC 11: on TPU the typed form reduce-scatters 4 of the 5 FSDP leaves"
+    " (XLA's AllReduceScatterFusion) but all-reduces the gradient of 'qkv'"
+    " (f32[128,3,4,32], sharded on dim 0) whole, in one tuple all-reduce"
+    " with the replicated leaves, then slices it; the full batch"
+    " reduce-scatters all 5. Fix in typed_layout.py: see the report of"
+    " issue 33."))
 def test_fsdp_gradients_leave_the_loop_as_reduce_scatters():
   mesh, cfg, args = _setup(FSDP)
   compiled = _compile(mesh, _typed(cfg), *args)

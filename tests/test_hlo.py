@@ -187,6 +187,38 @@ def test_include_scalars_false_leaves_out_what_xla_made_of_scalars():
   assert oa.count_collectives(_COMBINED).total == {"all-reduce": 7}
 
 
+_TPU_REDUCE_SCATTER = """\
+%all-reduce-scatter.5 (input_0: f32[128,512]) -> (f32[16,512]) {
+  %input_0 = f32[128,512]{1,0:T(8,128)} parameter(0)
+  %all-reduce.23 = (f32[128,512]{1,0:T(8,128)}) all-reduce(%input_0), \
+replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %gte = f32[128,512]{1,0:T(8,128)} get-tuple-element(%all-reduce.23), index=0
+  %slice = f32[16,512]{1,0:T(8,128)} dynamic-slice(%gte, %i, %z), \
+dynamic_slice_sizes={16,512}
+  ROOT %tuple.13 = (f32[16,512]{1,0:T(8,128)}) tuple(%slice)
+}
+
+ENTRY %main (g: f32[128,512]) -> (f32[16,512]) {
+  %g = f32[128,512]{1,0:T(8,128)} parameter(0)
+  ROOT %fusion.210 = (f32[16,512]{1,0:T(8,128)}) fusion(%g), kind=kCustom, \
+calls=%all-reduce-scatter.5, backend_config={"collective_algorithm_config":\
+{"emitter":"AllReduceScatterFusion","strategy":"StrategyRing"}}
+}"""
+
+
+def test_xla_tpu_reduce_scatter_fusion_is_a_reduce_scatter():
+  """XLA's TPU compiler writes a reduce-scatter as an all-reduce + slice
+  fused under the AllReduceScatterFusion emitter: one reduce-scatter of
+  the fusion's result, not a whole-gradient all-reduce."""
+  mesh = jax.sharding.AbstractMesh((8,), ("fsdp",))
+  [found] = hlo.collectives(_TPU_REDUCE_SCATTER, mesh)
+  assert found.collective == "reduce-scatter"
+  assert found.nbytes == 16 * 512 * 4  # each device's part.
+  assert found.axes == ("fsdp",)
+  plain = _TPU_REDUCE_SCATTER.replace("AllReduceScatterFusion", "Other")
+  assert [c.collective for c in hlo.collectives(plain)] == ["all-reduce"]
+
+
 def test_by_axes_splits_the_places_of_every_collective():
   """Groups absent or {} mean every device: all axes of size above 1."""
   mesh = jax.sharding.AbstractMesh((2, 1, 4), ("data", "fsdp", "model"))

@@ -27,6 +27,11 @@ _ASYNC_CONTINUATIONS = ("async-update", "async-done")
 _COMPUTATION_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")
 _OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
+# XLA's TPU compiler writes a reduce-scatter as a fusion whose emitter is
+# this (backend_config), calling a computation of an all-reduce and the
+# dynamic-slice of each device's part: one reduce-scatter, of the fusion's
+# result (a ring's reduce-scatter, not an all-reduce; libtpu 0.0.42).
+_REDUCE_SCATTER_FUSION = '"emitter":"AllReduceScatterFusion"'
 _NAME = re.compile(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=")
 _OPERANDS = re.compile(r"^[a-z][a-z0-9\-]*\(([^()]*)\)")
 _CALLED = re.compile(
@@ -509,7 +514,7 @@ def _collectives(text: str, positions: Any = None,
   entry, computations = _parse(text)
   found = []
 
-  def visit(name, looped, branched, path):
+  def visit(name, looped, branched, path, scatter=None):
     if name in path:  # not expected in HLO; guards against a malformed text.
       return
     for opcode, rest, line in computations.get(name, ()):
@@ -517,7 +522,9 @@ def _collectives(text: str, positions: Any = None,
       if collective is not None:
         axes = None if positions is None else _collective_axes(
             rest, positions, mesh)
-        shapes = _result_shapes(line)
+        shapes = _result_shapes(line if scatter is None else scatter)
+        if scatter is not None and collective == "all-reduce":
+          collective = "reduce-scatter"  # XLA's TPU reduce-scatter fusion.
         found.append(Collective(
             collective, looped, branched, axes,
             sum(_ITEMSIZE[t] * math.prod(d) for t, d in shapes),
@@ -525,6 +532,7 @@ def _collectives(text: str, positions: Any = None,
             or _concatenates_scalars(rest, name, computations)))
       if opcode in _ASYNC_CONTINUATIONS:  # the same computation as its start.
         continue
+      fused_scatter = line if _REDUCE_SCATTER_FUSION in line else None
       for attribute, called in _CALLED.findall(rest):
         for callee in called.strip("{}").split(","):
           callee = callee.strip().lstrip("%")
@@ -534,6 +542,7 @@ def _collectives(text: str, positions: Any = None,
                 looped or attribute in _LOOP_ATTRIBUTES,
                 branched or attribute in _BRANCH_ATTRIBUTES,
                 path | {name},
+                fused_scatter if attribute == "calls" else scatter,
             )
 
   visit(entry, False, False, frozenset())
