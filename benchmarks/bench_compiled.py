@@ -226,6 +226,7 @@ def _mesh_run(name, cfg_run, devices):
   for cand in CANDIDATES:
     m, fn, args, per_call = steps[cand]
     compiled, refused = _compile(m, fn, *args)
+    print(f"k. {name}, {cand}: compiled", file=sys.stderr, flush=True)
     if refused:
       out["refused"][cand] = refused
     else:
