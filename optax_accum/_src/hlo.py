@@ -342,7 +342,10 @@ def count_collectives(
   and where: inside a while loop (the body of a :func:`jax.lax.scan` runs once
   per micro-batch), inside a branch of a conditional (such as the emitting
   branch of :func:`optax_accum.accumulate`) or outside both. Counts are static:
-  one per instruction in the program text, whatever the trip count.
+  one per instruction in the program text, whatever the trip count. XLA's
+  TPU compiler writes a reduce-scatter as an all-reduce and a slice fused
+  under its ``AllReduceScatterFusion`` emitter: that counts as one
+  reduce-scatter (of the fusion's result), which is what runs.
 
   With ``mesh``, the counts are also split by the mesh axes each collective
   runs over, read from its device groups (``replica_groups``, or a
