@@ -37,6 +37,7 @@ BENCHMARKS = (
     "bench_no_sync",         # h. one jit call per micro-batch: deferred sync
     "bench_plan_8b",         # i. planning k for an 8B model, never allocated
     "bench_typed",           # j. the typed form on a cookbook-style decoder
+    "bench_compiled",        # k. compiled for TPU v5e chips (needs libtpu)
     "bench_deferred",        # l. the deferred loop without axis_name, d x t
 )
 RESULTS_DIR = os.path.join(_HERE, "results")

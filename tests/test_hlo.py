@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import optax_accum as oa
+from optax_accum._src import hlo
 
 _HLO = """\
 HloModule m
@@ -94,6 +95,128 @@ def test_count_collectives_rejects_what_is_not_compiled_hlo():
   with pytest.raises(TypeError, match="compiled program"):
     oa.count_collectives(42)
   assert oa.count_collectives(lowered).total == {}  # compiled for us.
+
+
+def _loop_and_after(mesh):
+  """A program with an all-reduce over 'b' in a scan and one over 'a' after."""
+  def step(x):
+    total, _ = jax.lax.scan(
+        lambda c, xi: (c + jax.lax.psum(xi, "b"), None), jnp.zeros(16), x)
+    return jax.lax.psum(total, "a")
+
+  return jax.shard_map(step, mesh=mesh, in_specs=P(None, mesh.axis_names),
+                       out_specs=P(), check_vma=False)
+
+
+def _same_counts(program, text, mesh):
+  for kwargs in ({}, {"mesh": mesh}, {"include_scalars": False}):
+    assert oa.count_collectives(program, **kwargs) == oa.count_collectives(
+        text, **kwargs), kwargs
+
+
+def test_count_collectives_reads_every_stage_of_jit_as_its_text():
+  mesh = _auto_mesh((2, 4), ("a", "b"))
+  lowered = jax.jit(_loop_and_after(mesh)).lower(jnp.ones((3, 128)))
+  compiled = lowered.compile()
+  text = compiled.as_text()
+  counts = oa.count_collectives(text, mesh=mesh)
+  assert counts.in_loop == {"all-reduce": 1}
+  assert counts.outside == {"all-reduce": 1}
+  assert list(counts.by_axes) == [("a",), ("b",)]
+  for program in (compiled, lowered, compiled.runtime_executable()):
+    _same_counts(program, text, mesh)
+
+
+def test_count_collectives_reads_the_stages_of_nnx_jit():
+  """nnx.jit's Lowered and Compiled wrap jax's: read as their text."""
+  nnx = pytest.importorskip("flax.nnx")
+  mesh = _auto_mesh((2, 4), ("a", "b"))
+  lowered = nnx.jit(_loop_and_after(mesh)).lower(jnp.ones((3, 128)))
+  compiled = lowered.compile()
+  assert not isinstance(compiled, jax.stages.Compiled)  # flax's own class.
+  text = compiled.as_text()
+  assert oa.count_collectives(compiled).in_loop == {"all-reduce": 1}
+  _same_counts(compiled, text, mesh)
+  _same_counts(lowered, text, mesh)
+
+
+_COMBINED = """\
+%wrapped (p0: f32[1], p1: f32[1]) -> f32[2] {
+  %p0 = f32[1]{0} parameter(0)
+  %p1 = f32[1]{0} parameter(1)
+  ROOT %c = f32[2]{0} concatenate(%p0, %p1), dimensions={0}
+}
+
+%wrapped_grads (p0: f32[16], p1: f32[1]) -> f32[17] {
+  %p0 = f32[16]{0} parameter(0)
+  %p1 = f32[1]{0} parameter(1)
+  ROOT %c = f32[17]{0} concatenate(%p0, %p1), dimensions={0}
+}
+
+ENTRY %main (x: f32[], t: f32[1], g: f32[16], w: f32[2]) -> f32[2] {
+  %x = f32[] parameter(0)
+  %t = f32[1]{0} parameter(1)
+  %g = f32[16]{0} parameter(2)
+  %w = f32[2]{0} parameter(3)
+  %xb = f32[1]{0} bitcast(%x)
+  %scalars = f32[2]{0} concatenate(%xb, %t), dimensions={0}
+  %fused = f32[2]{0} fusion(%xb, %t), kind=kLoop, calls=%wrapped
+  %grads = f32[17]{0} fusion(%g, %t), kind=kLoop, calls=%wrapped_grads
+  %a = f32[] all-reduce(%x), replica_groups={}, to_apply=%add
+  %b = (f32[], f32[]) all-reduce(%x, %x), replica_groups={}, to_apply=%add
+  %c = f32[2]{0} all-reduce(%scalars), replica_groups={}, to_apply=%add
+  %d = f32[2]{0} all-reduce-start(%fused), replica_groups={}, to_apply=%add
+  %e = f32[2]{0} all-reduce(%w), replica_groups={}, to_apply=%add
+  %f = f32[17]{0} all-reduce(%grads), replica_groups={}, to_apply=%add
+  ROOT %h = (f32[], f32[16]{0}) all-reduce(%x, %g), replica_groups={}
+}"""
+
+
+def test_include_scalars_false_leaves_out_what_xla_made_of_scalars():
+  """Scalars, a tuple of them, and XLA's concatenations of scalars (GPU).
+
+  Not a gradient of two elements, a concatenation of gradients, or a tuple
+  of a gradient and a scalar.
+  """
+  found = {c.nbytes: c.scalar for c in hlo.collectives(_COMBINED)}
+  assert [c.scalar for c in hlo.collectives(_COMBINED)] == [
+      True, True, True, True, False, False, False]
+  assert found[68] is False  # f32[17]: the gradient concatenated.
+  counts = oa.count_collectives(_COMBINED, include_scalars=False)
+  assert counts.total == {"all-reduce": 3}
+  assert oa.count_collectives(_COMBINED).total == {"all-reduce": 7}
+
+
+_TPU_REDUCE_SCATTER = """\
+%all-reduce-scatter.5 (input_0: f32[128,512]) -> (f32[16,512]) {
+  %input_0 = f32[128,512]{1,0:T(8,128)} parameter(0)
+  %all-reduce.23 = (f32[128,512]{1,0:T(8,128)}) all-reduce(%input_0), \
+replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %gte = f32[128,512]{1,0:T(8,128)} get-tuple-element(%all-reduce.23), index=0
+  %slice = f32[16,512]{1,0:T(8,128)} dynamic-slice(%gte, %i, %z), \
+dynamic_slice_sizes={16,512}
+  ROOT %tuple.13 = (f32[16,512]{1,0:T(8,128)}) tuple(%slice)
+}
+
+ENTRY %main (g: f32[128,512]) -> (f32[16,512]) {
+  %g = f32[128,512]{1,0:T(8,128)} parameter(0)
+  ROOT %fusion.210 = (f32[16,512]{1,0:T(8,128)}) fusion(%g), kind=kCustom, \
+calls=%all-reduce-scatter.5, backend_config={"collective_algorithm_config":\
+{"emitter":"AllReduceScatterFusion","strategy":"StrategyRing"}}
+}"""
+
+
+def test_xla_tpu_reduce_scatter_fusion_is_a_reduce_scatter():
+  """XLA's TPU compiler writes a reduce-scatter as an all-reduce + slice
+  fused under the AllReduceScatterFusion emitter: one reduce-scatter of
+  the fusion's result, not a whole-gradient all-reduce."""
+  mesh = jax.sharding.AbstractMesh((8,), ("fsdp",))
+  [found] = hlo.collectives(_TPU_REDUCE_SCATTER, mesh)
+  assert found.collective == "reduce-scatter"
+  assert found.nbytes == 16 * 512 * 4  # each device's part.
+  assert found.axes == ("fsdp",)
+  plain = _TPU_REDUCE_SCATTER.replace("AllReduceScatterFusion", "Other")
+  assert [c.collective for c in hlo.collectives(plain)] == ["all-reduce"]
 
 
 def test_by_axes_splits_the_places_of_every_collective():

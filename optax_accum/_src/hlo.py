@@ -27,6 +27,13 @@ _ASYNC_CONTINUATIONS = ("async-update", "async-done")
 _COMPUTATION_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")
 _OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
+# XLA's TPU compiler writes a reduce-scatter as a fusion whose emitter is
+# this (backend_config), calling a computation of an all-reduce and the
+# dynamic-slice of each device's part: one reduce-scatter, of the fusion's
+# result (a ring's reduce-scatter, not an all-reduce; libtpu 0.0.42).
+_REDUCE_SCATTER_FUSION = '"emitter":"AllReduceScatterFusion"'
+_NAME = re.compile(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=")
+_OPERANDS = re.compile(r"^[a-z][a-z0-9\-]*\(([^()]*)\)")
 _CALLED = re.compile(
     r"\b(condition|body|to_apply|calls|branch_computations|true_computation"
     r"|false_computation)=(\{[^}]*\}|%?[^\s,)]+)"
@@ -153,18 +160,37 @@ def _device_groups(
   return [list(range(num_devices))]  # no groups given: every device.
 
 
-def _logical_to_mesh_position(program: Any, mesh: Any) -> np.ndarray:
-  """For each logical device id of ``program``, its flat index in ``mesh``.
+def _device_assignment(compiled: Any) -> list[Any] | None:
+  """The devices of a compiled program's logical ids, in order, or None.
 
-  A compiled program tells its device assignment; for HLO text, an abstract
-  mesh, or a program spanning several processes, the mesh's own device order
-  is assumed, which is the order ``jit`` under that mesh uses.
+  A program loaded on this process's devices tells them. One compiled for
+  compile-only devices (``jax.experimental.topologies``) is never loaded and
+  has none of its own: ``jit`` assigned it the devices of its arguments'
+  shardings (they all agree), in the order of their mesh.
+  """
+  executable = compiled.runtime_executable()
+  if hasattr(executable, "local_devices"):
+    return list(executable.local_devices())
+  for s in jax.tree.leaves((compiled.input_shardings,
+                            compiled.output_shardings)):
+    if (isinstance(s, jax.sharding.NamedSharding)
+        and isinstance(s.mesh, jax.sharding.Mesh)):
+      return list(s.mesh.devices.flat)
+  return None
+
+
+def _logical_to_mesh_position(devices: list[Any] | None,
+                              mesh: Any) -> np.ndarray:
+  """For each logical device id of a program, its flat index in ``mesh``.
+
+  ``devices`` are the program's own device assignment, where known. For HLO
+  text, an abstract mesh, or a program spanning several processes, the
+  mesh's own device order is assumed, which is the order ``jit`` under that
+  mesh uses.
   """
   identity = np.arange(math.prod(mesh.axis_sizes))
-  if not (isinstance(mesh, jax.sharding.Mesh)
-          and isinstance(program, jax.stages.Compiled)):
+  if devices is None or not isinstance(mesh, jax.sharding.Mesh):
     return identity
-  devices = program.runtime_executable().local_devices()
   if len(devices) != mesh.devices.size:  # several processes: local devices.
     return identity
   where = {device: i for i, device in enumerate(mesh.devices.flat)}
@@ -221,19 +247,34 @@ class _Tally:
     )
 
 
-def _hlo_text(program: Any) -> str:
-  """The optimized HLO text of a compiled or lowered program, or text as is."""
+def _read(program: Any) -> tuple[str, list[Any] | None]:
+  """The optimized HLO text of ``program`` and its devices (None: unknown).
+
+  Takes HLO text as is; a :class:`jax.stages.Compiled` (loaded, or compiled
+  for compile-only devices); a :class:`jax.stages.Lowered`, compiled here;
+  ``nnx.jit``'s stages, which hold jax's as ``.compiled`` and ``.lowered``;
+  and a bare XLA executable (``compiled.runtime_executable()``).
+  """
   if isinstance(program, str):
-    return program
+    return program, None
+  # Flax's nnx.jit stages wrap jax's own (read by attribute: no flax import).
+  if isinstance(getattr(program, "lowered", None), jax.stages.Lowered):
+    program = program.lowered
   if isinstance(program, jax.stages.Lowered):
     program = program.compile()
+  if isinstance(getattr(program, "compiled", None), jax.stages.Compiled):
+    program = program.compiled
   if isinstance(program, jax.stages.Compiled):
     text = program.as_text()
     if isinstance(text, str):
-      return text
+      return text, _device_assignment(program)
+  elif callable(getattr(program, "hlo_modules", None)):  # an XLA executable.
+    devices = getattr(program, "local_devices", None)
+    return ("\n\n".join(m.to_string() for m in program.hlo_modules()),
+            None if devices is None else list(devices()))
   raise TypeError(
-      "Expected a compiled program (jax.jit(f).lower(*args).compile()), a"
-      " lowered one, or its HLO text, got"
+      "Expected a compiled program (jax.jit(f).lower(*args).compile(), or"
+      " nnx.jit's), a lowered one, an XLA executable, or its HLO text, got"
       f" {type(program).__name__}."
   )
 
@@ -301,7 +342,10 @@ def count_collectives(
   and where: inside a while loop (the body of a :func:`jax.lax.scan` runs once
   per micro-batch), inside a branch of a conditional (such as the emitting
   branch of :func:`optax_accum.accumulate`) or outside both. Counts are static:
-  one per instruction in the program text, whatever the trip count.
+  one per instruction in the program text, whatever the trip count. XLA's
+  TPU compiler writes a reduce-scatter as an all-reduce and a slice fused
+  under its ``AllReduceScatterFusion`` emitter: that counts as one
+  reduce-scatter (of the fusion's result), which is what runs.
 
   With ``mesh``, the counts are also split by the mesh axes each collective
   runs over, read from its device groups (``replica_groups``, or a
@@ -313,16 +357,27 @@ def count_collectives(
   over every device has every axis of size above 1.
 
   Args:
-    program: a compiled program (``jax.jit(f).lower(*args).compile()``), a
-      lowered one (it is compiled), or its HLO text (``compiled.as_text()``).
+    program: a compiled program (``jax.jit(f).lower(*args).compile()``, or
+      the ``Compiled`` of ``nnx.jit``), including one compiled for
+      compile-only devices (``jax.experimental.topologies``); a lowered one
+      (it is compiled); an XLA executable
+      (``compiled.runtime_executable()``); or its HLO text
+      (``compiled.as_text()``). Each gives the counts its text gives.
     mesh: the :class:`jax.sharding.Mesh` the program was compiled for (or an
       :class:`jax.sharding.AbstractMesh` of its shape), to count by mesh axes.
       The device ids in HLO text are read in the mesh's device order
       (``mesh.devices.flat``), the order ``jit`` under the mesh uses; a
-      compiled program's own device assignment is used when it has one.
-    include_scalars: False leaves out the collectives of scalars only (a
-      loss, a token count: what a loss on a batch sharded over the data axes
-      reduces in every micro-batch), to see the gradient-sized ones.
+      compiled program's own device assignment is used when it has one
+      (for compile-only devices, that of its arguments' shardings).
+    include_scalars: False leaves out the collectives of scalars (a loss, a
+      token count: what a loss on a batch sharded over the data axes reduces
+      in every micro-batch), to see the gradient-sized ones. What XLA
+      combined of scalars counts as scalars too: a tuple of scalars, and a
+      collective of XLA's concatenation of scalars (a ``concatenate``, or a
+      fusion whose root is one, of parts of one element each), such as the
+      ``f32[2]`` all-reduce of a loss and a token count that XLA's GPU
+      compiler makes. Read from the program's structure, not the sizes: a
+      gradient of two elements is counted.
 
   Returns:
     A :class:`CollectiveCounts` of dicts mapping collective names to counts:
@@ -333,6 +388,7 @@ def count_collectives(
     over exactly those axes; without it, ``by_axes`` is None.
 
   Raises:
+    TypeError: if ``program`` is none of the above.
     ValueError: if ``program`` is not compiled HLO, or with ``mesh`` if a
       collective's device groups name devices outside ``mesh`` or are written
       in a form this does not read.
@@ -370,15 +426,13 @@ def count_collectives(
     ('data',) {} {'all-reduce': 1}
     ('model',) {'all-reduce': 1} {}
   """
-  positions = None if mesh is None else _logical_to_mesh_position(
-      program, mesh)
   tally = _Tally()
   tally_by_axes = collections.defaultdict(_Tally)
-  for found in _collectives(program, positions, mesh):
+  for found in collectives(program, mesh):
     if found.scalar and not include_scalars:
       continue
     tally.add(found.collective, found.looped, found.branched)
-    if positions is not None:
+    if mesh is not None:
       tally_by_axes[found.axes].add(found.collective, found.looped,
                                     found.branched)
   if mesh is None:
@@ -396,7 +450,9 @@ class Collective(NamedTuple):
   branched: bool  # inside a branch of a conditional.
   axes: tuple[str, ...] | None  # the mesh axes it spans (None: no mesh).
   nbytes: int  # the bytes of its result (all of a tuple's parts).
-  scalar: bool  # whether every part of its result is a scalar.
+  # Whether it reduces scalars only: every part of its result is a scalar,
+  # or its operand is XLA's concatenation of scalars (its GPU combiner's).
+  scalar: bool
 
 
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64"
@@ -414,13 +470,54 @@ def _result_shapes(line: str) -> list[tuple[str, list[int]]]:
           _SHAPE.findall(head[:opcode_at])]
 
 
-def _collectives(program: Any, positions: Any = None,
+def _name(line: str) -> str:
+  return _NAME.match(line).group(1)
+
+
+def _elements(line: str) -> int:
+  return sum(math.prod(d) for _, d in _result_shapes(line))
+
+
+def _concatenates_scalars(rest: str, computation: str,
+                          computations: dict[str, Any]) -> bool:
+  """Whether a collective's one operand is XLA's concatenation of scalars.
+
+  XLA's GPU combiner concatenates the scalars that several all-reduces sum
+  (a loss, a token count) into one small array, a ``concatenate`` or a
+  fusion whose root is one, each of its parts a scalar or one element.
+  """
+  operands = _OPERANDS.match(rest)
+  names = operands.group(1).split(",") if operands else []
+  if len(names) != 1:
+    return False
+  lines = {_name(line): (op, r, line)
+           for op, r, line in computations.get(computation, ())}
+  found = lines.get(names[0].split()[-1].lstrip("%"))
+  if found is None:
+    return False
+  opcode, rest, _ = found
+  if opcode == "concatenate":
+    parts = _OPERANDS.match(rest).group(1).split(",")
+    return all(
+        (part := lines.get(name.split()[-1].lstrip("%"))) is not None
+        and _elements(part[2]) <= 1 for name in parts)
+  called = re.search(r"\bcalls=%?([^\s,)]+)", rest)
+  if opcode != "fusion" or called is None:
+    return False
+  fused = computations.get(called.group(1), ())
+  roots = [op for op, _, line in fused if line.lstrip().startswith("ROOT")]
+  params = [line for op, _, line in fused if op == "parameter"]
+  return (roots == ["concatenate"] and bool(params)
+          and all(_elements(line) <= 1 for line in params))
+
+
+def _collectives(text: str, positions: Any = None,
                  mesh: Any = None) -> list[Collective]:
-  """Every collective of ``program``, walking loops and branches."""
-  entry, computations = _parse(_hlo_text(program))
+  """Every collective of the HLO ``text``, walking loops and branches."""
+  entry, computations = _parse(text)
   found = []
 
-  def visit(name, looped, branched, path):
+  def visit(name, looped, branched, path, scatter=None):
     if name in path:  # not expected in HLO; guards against a malformed text.
       return
     for opcode, rest, line in computations.get(name, ()):
@@ -428,13 +525,17 @@ def _collectives(program: Any, positions: Any = None,
       if collective is not None:
         axes = None if positions is None else _collective_axes(
             rest, positions, mesh)
-        shapes = _result_shapes(line)
+        shapes = _result_shapes(line if scatter is None else scatter)
+        if scatter is not None and collective == "all-reduce":
+          collective = "reduce-scatter"  # XLA's TPU reduce-scatter fusion.
         found.append(Collective(
             collective, looped, branched, axes,
-            sum(_ITEMSIZE[t] * math.prod(d or [1]) for t, d in shapes),
-            all(not d for _, d in shapes)))
+            sum(_ITEMSIZE[t] * math.prod(d) for t, d in shapes),
+            all(not d for _, d in shapes)
+            or _concatenates_scalars(rest, name, computations)))
       if opcode in _ASYNC_CONTINUATIONS:  # the same computation as its start.
         continue
+      fused_scatter = line if _REDUCE_SCATTER_FUSION in line else None
       for attribute, called in _CALLED.findall(rest):
         for callee in called.strip("{}").split(","):
           callee = callee.strip().lstrip("%")
@@ -444,6 +545,7 @@ def _collectives(program: Any, positions: Any = None,
                 looped or attribute in _LOOP_ATTRIBUTES,
                 branched or attribute in _BRANCH_ATTRIBUTES,
                 path | {name},
+                fused_scatter if attribute == "calls" else scatter,
             )
 
   visit(entry, False, False, frozenset())
@@ -452,9 +554,10 @@ def _collectives(program: Any, positions: Any = None,
 
 def collectives(program: Any, mesh: Any = None) -> list[Collective]:
   """Every collective of a compiled ``program``, with its bytes and axes."""
+  text, devices = _read(program)
   positions = None if mesh is None else _logical_to_mesh_position(
-      program, mesh)
-  return _collectives(program, positions, mesh)
+      devices, mesh)
+  return _collectives(text, positions, mesh)
 
 
 def _collective_axes(

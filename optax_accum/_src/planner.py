@@ -41,10 +41,14 @@ _cache: dict[Any, "_Measured"] = {}
 
 
 class _Measured(NamedTuple):
-  """What compiling one candidate tells: memory and collectives."""
+  """What compiling one candidate tells: memory and collectives.
 
-  memory_bytes: int
-  collectives: hlo.CollectiveCounts
+  Both None where the compiler refused the program for want of device
+  memory (compile-only TPU devices: a program that exceeds the chip's HBM).
+  """
+
+  memory_bytes: int | None
+  collectives: hlo.CollectiveCounts | None
 
 
 class Candidate(NamedTuple):
@@ -53,9 +57,11 @@ class Candidate(NamedTuple):
   num_microbatches: int
   gradient_sync: str
   gather_params: str
-  memory_bytes: int  # per device: temp + arguments + outputs - aliased.
-  collectives_per_update: int  # outside the loop + k * inside it.
-  collectives: hlo.CollectiveCounts
+  # Per device: temp + arguments + outputs - aliased. None: the compiler
+  # refused the program, more than the device's memory (it does not fit).
+  memory_bytes: int | None
+  collectives_per_update: int | None  # outside the loop + k * inside it.
+  collectives: hlo.CollectiveCounts | None
   fits: bool  # memory_bytes <= the budget.
 
 
@@ -71,6 +77,11 @@ class Table(tuple):
               "collectives/update = outside + k x in loop", "fits")
     rows = [header]
     for c in self:
+      if c.memory_bytes is None:
+        rows.append((str(c.num_microbatches), c.gradient_sync,
+                     c.gather_params, "> device memory",
+                     "(the compiler refused it)", "no"))
+        continue
       in_loop = sum(c.collectives.in_loop.values())
       outside = c.collectives_per_update - c.num_microbatches * in_loop
       rows.append((
@@ -137,11 +148,34 @@ def _signature(tree: Any) -> Any:
   )
 
 
+def _refused_for_memory(error: Exception) -> bool:
+  """Whether the compiler refused a program for want of device memory.
+
+  XLA's TPU compiler refuses a program whose buffers exceed the chip's HBM
+  (``RESOURCE_EXHAUSTED: ... HLO temporaries (33.81G) exceeds available HBM
+  (15.75G)``). Read from the error's status code, which jaxlib >= 0.10 gives
+  as ``error_code_string``; with older jaxlibs the error is not read (it
+  propagates, with a note).
+  """
+  return (isinstance(error, jax.errors.JaxRuntimeError)
+          and getattr(error, "error_code_string", None)
+          == "RESOURCE_EXHAUSTED")
+
+
 def _measure(fn: Callable[..., Any], step: "_Step") -> _Measured:
   """Compiles the step around ``fn`` ahead of time and measures it."""
   if step.wrap is not None:
     fn = step.wrap(fn)
-  compiled = jax.jit(fn).lower(*step.operands, **step.call_kwargs).compile()
+  lowered = jax.jit(fn).lower(*step.operands, **step.call_kwargs)
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    if _refused_for_memory(e):
+      return _Measured(None, None)
+    e.add_note("plan_microbatches: compiling this candidate failed; a"
+               " compiler refusal for want of memory (RESOURCE_EXHAUSTED)"
+               " would have counted as 'does not fit'.")
+    raise
   memory = compiled.memory_analysis()
   if memory is None:
     raise RuntimeError(
@@ -158,7 +192,9 @@ def _measure(fn: Callable[..., Any], step: "_Step") -> _Measured:
   )
 
 
-def _per_update(counts: hlo.CollectiveCounts, k: int) -> int:
+def _per_update(counts: hlo.CollectiveCounts | None, k: int) -> int | None:
+  if counts is None:
+    return None
   in_loop = sum(counts.in_loop.values())
   return sum(counts.total.values()) - in_loop + k * in_loop
 
@@ -260,7 +296,16 @@ def _check_candidates(candidates: Iterable[int] | None, rows: int) -> list[int]:
 
 
 def _no_fit(table: Table, budget: int) -> ValueError:
-  smallest = min(table, key=lambda c: c.memory_bytes)
+  measured = [c for c in table if c.memory_bytes is not None]
+  if not measured:
+    return ValueError(
+        f"No candidate fits memory_budget={budget} bytes ({_mib(budget)}) per"
+        " device: the compiler refused every one, each needs more than the"
+        " device's memory. Use more micro-batches (candidates=), shard the"
+        " parameters over the data axis, or use more devices.\n"
+        f"{table}"
+    )
+  smallest = min(measured, key=lambda c: c.memory_bytes)
   return ValueError(
       f"No candidate fits memory_budget={budget} bytes ({_mib(budget)}) per"
       f" device: the smallest needs {smallest.memory_bytes} bytes"
@@ -318,6 +363,14 @@ def plan_microbatches(
   policies compile to the same program, so only the default is tried; so it
   is when no parameter is sharded over ``axis_name``. Measurements are
   cached, so planning again (another budget) recompiles nothing.
+
+  It plans for hardware this machine lacks from abstract inputs sharded over
+  compile-only devices (``jax.experimental.topologies.get_topology_desc``
+  with libtpu or the CUDA plugin installed: ``docs/planner.md``), the budget
+  being one chip's memory. A candidate the compiler refuses for want of
+  device memory (XLA's TPU compiler refuses a program larger than the chip's
+  HBM, status ``RESOURCE_EXHAUSTED``) does not fit: its row in the table
+  says so, with no memory or collectives.
 
   Args:
     loss_fn: as for :func:`optax_accum.value_and_grad`.
@@ -462,4 +515,4 @@ def _candidate(step: _Step, k: int, chosen: fsdp.Policy,
   return Candidate(
       k, chosen.gradient_sync, chosen.gather_params, measured.memory_bytes,
       _per_update(measured.collectives, k), measured.collectives,
-      measured.memory_bytes <= budget)
+      measured.memory_bytes is not None and measured.memory_bytes <= budget)

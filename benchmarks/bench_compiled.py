@@ -1,0 +1,361 @@
+"""k. Compiled for TPU v5e chips: memory and data reductions, nothing run.
+
+SPEC 11: XLA compiles for hardware this machine lacks. With libtpu installed
+(``pip install -e ".[tpu]"``), ``jax.experimental.topologies`` gives the 8
+compile-only chips of a TPU v5e ``2x4`` slice; every candidate is lowered
+from abstract inputs (``jax.ShapeDtypeStruct`` sharded over them) and
+compiled by XLA's TPU compiler, and its program is read: per-chip temporary
+and argument memory (``memory_analysis()``) and the bytes of gradient that
+reductions over the data axes sum per update (all-reduces and
+reduce-scatters of 64 bytes or more; a reduce-scatter counts the whole
+gradient it sums; in a loop x k).
+
+The model is the cookbook-style decoder of ``tests/typed_model.py`` at about
+1B parameters, on two meshes: ``data x tensor`` (4 x 2) and ``fsdp`` (8).
+Candidates, one update of ``k`` micro-batches each:
+
+* ``full batch``: ``jax.jit(jax.value_and_grad(loss_fn))``;
+* ``typed``: ``oa.value_and_grad`` on Explicit axes;
+* ``shard_map``: ``oa.value_and_grad(axis_name=...)`` on Auto axes (the
+  model without activation annotations);
+* ``plain scan``: a token-weighted ``lax.scan`` of ``jax.grad``;
+* ``MultiSteps``: ``jax.grad`` of one micro-batch per jitted call, fed to
+  ``optax.MultiSteps`` (per update: k calls);
+* ``deferred``: ``oa.value_and_grad(gradient_sync="deferred")`` and
+  ``oa.accumulate(axis_name=...)``, one micro-batch per call.
+
+And which loop patterns XLA's TPU compiler moves out of the loop by itself
+(``data x tensor``): the plain scan; a bf16 cast of the gradient added into
+an f32 carry; a clipped carry; a NaN-guarded carry. Without libtpu the
+section records why it was skipped.
+"""
+
+import json
+import math
+import os
+import sys
+import warnings
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+import optax
+
+import harness
+import optax_accum as oa
+import report
+
+sys.path.insert(0, os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import compile_only as co  # tests/ is on sys.path just above.
+import typed_model as tm
+
+KEY = "k"
+TITLE = "Compiled for TPU v5e (2x4): memory and data reductions at 1B"
+TOPOLOGY = "v5e:2x4"
+CONFIGS = {
+    "full": {"k": 8, "batch": 64, "patterns": True,
+             "meshes": ["data x tensor", "fsdp"], "model": {
+        "vocab": 32768, "seq": 1024, "dim": 4096, "heads": 32,
+        "ffn": 16384, "layers": 4}},
+    "quick": {"k": 8, "batch": 64, "patterns": True,
+              "meshes": ["data x tensor", "fsdp"], "model": {
+        "vocab": 32768, "seq": 1024, "dim": 2048, "heads": 16,
+        "ffn": 8192, "layers": 2}},
+    "toy": {"k": 2, "batch": 32, "patterns": False,
+            "meshes": ["data x tensor"], "model": {
+        "vocab": 64, "seq": 8, "dim": 32, "heads": 4, "ffn": 64,
+        "layers": 1}},
+}
+MESHES = {
+    "data x tensor": ((4, 2), ("data", "tensor"),
+                      {"batch_axes": ("data",), "tensor": "tensor"}),
+    "fsdp": ((8,), ("fsdp",), {"batch_axes": ("fsdp",), "fsdp": "fsdp"}),
+}
+FULL, TYPED, SHARD_MAP, SCAN = "full batch", "typed", "shard_map", "plain scan"
+MULTISTEPS, DEFERRED = "MultiSteps", "deferred"
+CANDIDATES = (FULL, TYPED, SHARD_MAP, SCAN, MULTISTEPS, DEFERRED)
+PATTERNS = ("plain scan", "bf16 grad into f32 carry", "clipped carry",
+            "NaN-guarded carry")
+
+
+def _microbatches(batch, k, data_axes, devices):
+  """``(k, rows / k, ...)``: block i of every device's rows, no data moved."""
+  def cut(x):
+    rows = x.shape[0] // (devices * k)
+    x = x.reshape((devices, k, rows) + x.shape[1:],
+                  out_sharding=P(data_axes))
+    x = jnp.swapaxes(x, 0, 1)
+    return x.reshape((k, devices * rows) + x.shape[3:],
+                     out_sharding=P(None, data_axes))
+  return jax.tree.map(cut, batch)
+
+
+def _scan(loss_fn, k, data_axes, devices, pattern="plain scan"):
+  """A token-weighted ``lax.scan`` of ``jax.grad``, its carry per pattern."""
+  def weighted(params, microbatch):
+    return loss_fn(params, microbatch) * tm.num_tokens(microbatch)
+
+  def add(carry, g):
+    if pattern == "bf16 grad into f32 carry":
+      return carry + g.astype(jnp.bfloat16)
+    if pattern == "clipped carry":
+      return jnp.clip(carry + g, -1e4, 1e4)
+    if pattern == "NaN-guarded carry":
+      return jnp.where(jnp.all(jnp.isfinite(g)), carry + g, carry)
+    return carry + g
+
+  def step(params, batch):
+    def body(carry, microbatch):
+      value, grads = jax.value_and_grad(weighted)(params, microbatch)
+      return (carry[0] + value, jax.tree.map(add, carry[1], grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (value, grads), _ = lax.scan(
+        body, zeros, _microbatches(batch, k, data_axes, devices))
+    tokens = jnp.maximum(tm.num_tokens(batch), 1.0)
+    return value / tokens, jax.tree.map(lambda g: g / tokens, grads)
+
+  return step
+
+
+def _multisteps(loss_fn, k):
+  tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=k)
+
+  def micro_step(params, opt_state, microbatch):
+    grads = jax.grad(loss_fn)(params, microbatch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return tx, micro_step
+
+
+def _deferred(loss_fn, k, axis):
+  tx = oa.accumulate(optax.sgd(0.1), every_k=k, axis_name=axis)
+  grad_fn = oa.value_and_grad(loss_fn, num_microbatches=1, axis_name=axis,
+                              num_tokens_fn=tm.num_tokens,
+                              gradient_sync="deferred")
+
+  def micro_step(params, opt_state, microbatch):
+    _, grads = grad_fn(params, microbatch)
+    updates, opt_state = tx.update(grads, opt_state, params,
+                                   num_tokens=tm.num_tokens(microbatch))
+    return optax.apply_updates(params, updates), opt_state
+
+  return tx, micro_step
+
+
+def _compile(mesh, fn, *args):
+  """The compiled program, or the compiler's refusal for memory."""
+  with jax.set_mesh(mesh), warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # the fallback leaf.
+    try:
+      return jax.jit(fn).lower(*args).compile(), None
+    except jax.errors.JaxRuntimeError as e:
+      if getattr(e, "error_code_string", None) != "RESOURCE_EXHAUSTED":
+        raise
+      return None, str(e).splitlines()[0][:300]
+
+
+def _measure(compiled, mesh, data_axes, k, per_call):
+  """Memory and bytes reduced over ``data_axes`` per update.
+
+  ``per_call``: one micro-batch per call, k calls per update (the emitting
+  branch once).
+  """
+  loop = out = branch = 0
+  kinds = set()
+  for c in co.data_reductions(compiled, mesh, data_axes):
+    nbytes = co.reduced_bytes(c, mesh)
+    kinds.add(c.collective)
+    if c.looped:
+      loop += nbytes
+    elif c.branched:
+      branch += nbytes
+    else:
+      out += nbytes
+  per_update = (k * out + branch) if per_call else (k * loop + out + branch)
+  return {**harness.memory(compiled), "loop_bytes": loop, "out_bytes": out,
+          "branch_bytes": branch, "per_update_bytes": per_update,
+          "kinds": sorted(kinds)}
+
+
+def _mesh_run(name, cfg_run, devices):
+  shape, names, model_axes = MESHES[name]
+  k, rows = cfg_run["k"], cfg_run["batch"]
+  cfg = tm.Config(**cfg_run["model"], **model_axes)
+  data_axes = cfg.batch_axes
+  n_data = math.prod(dict(zip(names, shape))[a] for a in data_axes)
+  mesh = co.mesh(devices, shape, names)
+  shapes = jax.eval_shape(lambda: tm.init(cfg))
+  params = co.abstract(shapes, mesh, tm.specs(cfg))
+  data = jax.eval_shape(lambda: tm.batch(cfg, rows))
+  batch = co.abstract(data, mesh, jax.tree.map(lambda _: P(data_axes), data))
+  micro = co.abstract(jax.eval_shape(lambda: tm.batch(cfg, rows // k)), mesh,
+                      jax.tree.map(lambda _: P(data_axes), data))
+  loss_fn = tm.loss_fn(cfg)
+  steps = {
+      FULL: (mesh, jax.value_and_grad(loss_fn), (params, batch), False),
+      TYPED: (mesh, oa.value_and_grad(loss_fn, num_microbatches=k,
+                                      num_tokens_fn=tm.num_tokens),
+              (params, batch), False),
+      SCAN: (mesh, _scan(loss_fn, k, data_axes, n_data), (params, batch),
+             False),
+  }
+  auto = co.mesh(devices, shape, names, AxisType.Auto)
+  auto_params = co.abstract(shapes, auto, tm.specs(cfg))
+  auto_batch = co.abstract(data, auto,
+                           jax.tree.map(lambda _: P(data_axes), data))
+  steps[SHARD_MAP] = (auto, oa.value_and_grad(
+      tm.loss_fn(cfg._replace(batch_axes=())), num_microbatches=k,
+      num_tokens_fn=tm.num_tokens, axis_name=data_axes[0],
+      param_specs=tm.specs(cfg)), (auto_params, auto_batch), False)
+  for cand, make in ((MULTISTEPS, lambda: _multisteps(loss_fn, k)),
+                     (DEFERRED, lambda: _deferred(loss_fn, k, data_axes[0]))):
+    tx, micro_step = make()
+    with jax.set_mesh(mesh):
+      state = jax.eval_shape(tx.init, params)
+    steps[cand] = (mesh, micro_step, (params, state, micro), True)
+  out = {"mesh": dict(zip(names, shape)), "data_axes": list(data_axes),
+         "param_bytes": harness.tree_bytes(shapes),
+         "params": int(sum(x.size for x in jax.tree.leaves(shapes))),
+         "fallback_bytes": cfg.seq * cfg.dim * 4, "candidates": {},
+         "refused": {}}
+  for cand in CANDIDATES:
+    m, fn, args, per_call = steps[cand]
+    compiled, refused = _compile(m, fn, *args)
+    print(f"k. {name}, {cand}: compiled", file=sys.stderr, flush=True)
+    if refused:
+      out["refused"][cand] = refused
+    else:
+      out["candidates"][cand] = _measure(compiled, m, data_axes, k, per_call)
+  if cfg_run["patterns"] and name == "data x tensor":
+    out["patterns"] = {}
+    for pattern in PATTERNS:
+      compiled, refused = _compile(
+          mesh, _scan(loss_fn, k, data_axes, n_data, pattern), params, batch)
+      out["patterns"][pattern] = (
+          {"refused": refused} if refused
+          else _measure(compiled, mesh, data_axes, k, False))
+  return out
+
+
+def _in_process(cfg):
+  missing = co.missing_tpu()
+  if missing:
+    return {"skipped": missing, "compiled": 0}
+  topology = cfg.get("topology", TOPOLOGY)  # "v5p:2x2x2" has 8 chips too.
+  devices = co.tpu_devices(topology)
+  return {"k": cfg["k"], "batch": cfg["batch"], "model": cfg["model"],
+          "topology": topology, "device_kind": devices[0].device_kind,
+          "jax": jax.__version__,
+          "meshes": {name: _mesh_run(name, cfg, devices)
+                     for name in cfg.get("meshes", MESHES)}}
+
+
+def run(cfg):
+  if co.missing_tpu():
+    return {"skipped": co.missing_tpu(), "compiled": 0}
+  # libtpu in a fresh process: this one may hold it already (pytest).
+  return harness.in_child(__file__, cfg,
+                          env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
+
+
+def _ratio(m, cand, what):
+  ours = m["candidates"].get(cand, {}).get(what)
+  full = m["candidates"].get(FULL, {}).get(what)
+  if ours is None or not full:
+    return None
+  return ours / full
+
+
+def checks(result):
+  if "skipped" in result:
+    return [harness.Check("k. skipped (no libtpu): nothing to check", 0, 0)]
+  out = []
+  for name, m in result["meshes"].items():
+    c = m["candidates"]
+    # The plain scan is not allowed to beat k reductions by mistake in
+    # our reading: each per-call candidate reduces at least once per call.
+    for cand in (MULTISTEPS,):
+      if cand in c and TYPED in c:
+        out.append(harness.Check(
+            f"k. {name}: typed bytes per update / {cand}'s",
+            c[TYPED]["per_update_bytes"] / max(c[cand]["per_update_bytes"],
+                                               1), 1.0))
+  return out or [harness.Check("k. compiled", 0, 0)]
+
+
+def summary_rows(result):
+  if "skipped" in result:
+    return [report.Row("k. TPU v5e compile-only", "skipped", "-", "-", "-",
+                       True)]
+  rows = []
+  for name, m in result["meshes"].items():
+    c = m["candidates"]
+    if TYPED in c and FULL in c:
+      r = c[TYPED]["temp_bytes"] / max(c[FULL]["temp_bytes"], 1)
+      rows.append(report.Row(
+          f"k. TPU v5e {name}: temp memory per chip, typed / full batch",
+          report.mib(c[TYPED]["temp_bytes"]),
+          report.mib(c[FULL]["temp_bytes"]), f"{r:.2f}x", "-", True))
+  return rows
+
+
+def _size(nbytes):
+  return "-" if nbytes is None else report.mib(nbytes)
+
+
+def markdown(result):
+  if "skipped" in result:
+    return [f"Skipped: {result['skipped']}", ""]
+  k = result["k"]
+  lines = [
+      f"Compiled on this machine (no TPU) for the 8 compile-only chips of a"
+      f" `{result['topology']}` slice ({result['device_kind']}, jax"
+      f" {result['jax']}), nothing run; the decoder of `tests/typed_model.py`"
+      f" `{report.spec(result['model'])}`, a batch of {result['batch']}"
+      f" sequences, k={k}. Memory per chip from `memory_analysis()`; bytes:"
+      " the gradient that reductions over the data axes sum per update (in"
+      f" the loop x {k}, per-call steps x {k} calls, the emitting branch"
+      " once).",
+      "",
+  ]
+  for name, m in result["meshes"].items():
+    lines += [
+        f"### {name} ({m['params'] / 1e9:.2f}B parameters,"
+        f" {_size(m['param_bytes'])})", "",
+        "| | temp / chip | arguments / chip | bytes per update | in loop"
+        " (x k) | outside | in branch | by |",
+        "|---|---|---|---|---|---|---|---|"]
+    for cand in CANDIDATES:
+      if cand in m["refused"]:
+        lines.append(f"| {cand} | refused: {m['refused'][cand]} | | | | | |"
+                     " |")
+        continue
+      c = m["candidates"][cand]
+      lines.append(
+          f"| {cand} | {_size(c['temp_bytes'])} |"
+          f" {_size(c['argument_bytes'])} | {_size(c['per_update_bytes'])} |"
+          f" {_size(c['loop_bytes'])} | {_size(c['out_bytes'])} |"
+          f" {_size(c['branch_bytes'])} | {', '.join(c['kinds']) or '-'} |")
+    lines.append("")
+    if "patterns" in m:
+      lines += ["Loop patterns (a token-weighted scan of `jax.grad`): what"
+                " XLA's TPU compiler leaves in the loop.", "",
+                "| carry | temp / chip | in loop (x k) | outside |",
+                "|---|---|---|---|"]
+      for pattern, c in m["patterns"].items():
+        if "refused" in c:
+          lines.append(f"| {pattern} | refused: {c['refused']} | | |")
+          continue
+        lines.append(f"| {pattern} | {_size(c['temp_bytes'])} |"
+                     f" {_size(c['loop_bytes'])} | {_size(c['out_bytes'])} |")
+      lines.append("")
+  return lines
+
+
+if __name__ == "__main__":
+  print(json.dumps(_in_process(json.loads(sys.argv[1])), default=str))

@@ -1,0 +1,165 @@
+"""Compile-only TPU and GPU devices for the tests of SPEC 11.
+
+XLA compiles for hardware this machine lacks: with libtpu installed (the
+``tpu`` extra), ``jax.experimental.topologies.get_topology_desc`` gives
+compile-only TPU devices; with the CUDA plugin and ptxas (the ``gpu`` extra)
+and a GPU target config, compile-only GPUs. Programs are lowered from
+abstract inputs (``jax.ShapeDtypeStruct`` with shardings over those
+devices) and compiled; nothing runs. ``tests/test_compiled_tpu.py`` and
+``tests/test_compiled_gpu.py`` use these helpers, and skip, saying why,
+where the extra is not installed.
+"""
+
+import functools
+import importlib.util
+import math
+import pathlib
+import warnings
+
+import jax
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+import optax_accum as oa
+from optax_accum._src import hlo
+import typed_model as tm
+
+# The H100 target config of XLA's repository, as jaxlib 0.10.2 parses it.
+H100_CONFIG = pathlib.Path(__file__).parent / "data" / "h100_sxm.txtpb"
+# A reduction of more bytes is gradient-sized; fewer: scalars.
+MIN_GRADIENT_BYTES = 64
+
+
+def missing_tpu() -> str | None:
+  """Why compile-only TPU devices are unavailable here, or None."""
+  if importlib.util.find_spec("libtpu") is None:
+    return ("libtpu is not installed: pip install 'optax-accum[tpu]' to"
+            " compile for TPUs on this machine.")
+  return None
+
+
+def missing_gpu() -> str | None:
+  """Why compile-only GPUs are unavailable here, or None."""
+  for module, extra in (("jax_plugins.xla_cuda12", "jax-cuda12-plugin"),
+                        ("nvidia.cuda_nvcc", "nvidia-cuda-nvcc-cu12")):
+    try:
+      found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+      found = False
+    if not found:
+      return (f"{extra} is not installed: pip install 'optax-accum[gpu]' to"
+              " compile for GPUs on this machine.")
+  return None
+
+
+@functools.cache
+def tpu_devices(topology: str = "v5e:2x4") -> tuple[jax.Device, ...]:
+  """The compile-only TPU devices of ``topology`` (libtpu loads once)."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  return tuple(topologies.get_topology_desc(
+      platform="tpu", topology_name=topology).devices)
+
+
+@functools.cache
+def gpu_devices(topology: str = "1x1x8") -> tuple[jax.Device, ...]:
+  """Compile-only H100s: ``topology`` is slices x hosts x GPUs per host."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  return tuple(topologies.get_topology_desc(
+      platform="cuda", topology=topology,
+      target_config=H100_CONFIG.read_text()).devices)
+
+
+def mesh(devices, shape, names, axis_type=AxisType.Explicit) -> Mesh:
+  return Mesh(np.array(devices).reshape(shape), names,
+              axis_types=(axis_type,) * len(names))
+
+
+def abstract(tree, mesh_, specs):
+  """ShapeDtypeStructs of ``tree``'s leaves, sharded by ``specs``."""
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=NamedSharding(mesh_, s)), tree, specs)
+
+
+def data_reductions(compiled, mesh_, data_axes):
+  """The gradient-sized all-reduces and reduce-scatters over data axes."""
+  return [c for c in hlo.collectives(compiled, mesh_)
+          if c.collective in ("all-reduce", "reduce-scatter")
+          and set(c.axes) & set(data_axes)
+          and c.nbytes >= MIN_GRADIENT_BYTES]
+
+
+def replicated_bytes(params, axis) -> int:
+  """The bytes of the parameters not sharded over ``axis``."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)
+             if axis not in jax.tree.leaves(tuple(x.sharding.spec)))
+
+
+def reduced_bytes(c, mesh_) -> int:
+  """The bytes of gradient a reduction sums (a reduce-scatter's whole)."""
+  if c.collective == "reduce-scatter":
+    return c.nbytes * math.prod(mesh_.shape[a] for a in c.axes)
+  return c.nbytes
+
+
+def gpu_report() -> dict:
+  """What tests/test_compiled_gpu.py checks, read from 8 compile-only H100s.
+
+  Run in a child process: the CUDA plugin offers compile-only GPUs only when
+  jax starts on the CPU platform (``jax_platforms="cpu"`` before any use).
+  """
+  devices = gpu_devices()
+  out = {"device_kind": devices[0].device_kind}
+  for name, shape, names, axes in (
+      ("data x tensor", (4, 2), ("data", "tensor"), {"tensor": "tensor"}),
+      ("fsdp", (8,), ("fsdp",), {"fsdp": "fsdp"})):
+    mesh_ = mesh(devices, shape, names)
+    cfg = tm.Config(vocab=512, seq=128, dim=128, heads=4, ffn=512, layers=1,
+                    batch_axes=(names[0],), **axes)
+    params = abstract(jax.eval_shape(lambda cfg=cfg: tm.init(cfg)), mesh_,
+                      tm.specs(cfg))
+    data = jax.eval_shape(lambda cfg=cfg: tm.batch(cfg, 64))
+    spec = P(names[0])
+    data = abstract(data, mesh_, jax.tree.map(lambda _, s=spec: s, data))
+    fn = oa.value_and_grad(tm.loss_fn(cfg), num_microbatches=4,
+                           num_tokens_fn=tm.num_tokens)
+    with jax.set_mesh(mesh_), warnings.catch_warnings():
+      warnings.simplefilter("ignore", UserWarning)
+      compiled = jax.jit(fn).lower(params, data).compile()
+    text = compiled.as_text()
+    out[name] = {
+        "same_counts": all(
+            oa.count_collectives(compiled, mesh=mesh_, **kw)
+            == oa.count_collectives(text, mesh=mesh_, **kw)
+            for kw in ({}, {"include_scalars": False})),
+        # Every data-axis collective that is left with include_scalars=False
+        # is gradient-sized: no combined scalars among them.
+        "small_unscalar": [
+            c.nbytes for c in hlo.collectives(compiled, mesh_)
+            if set(c.axes) & {names[0]} and not c.scalar
+            and c.nbytes < MIN_GRADIENT_BYTES],
+        "combined_scalars": sum(
+            1 for c in hlo.collectives(compiled, mesh_)
+            if c.scalar and _elements_of(c) > 1),
+        "reductions": [[c.collective, c.nbytes, c.looped] for c in
+                       data_reductions(compiled, mesh_, (names[0],))],
+        "pos_bytes": cfg.seq * cfg.dim * 4,
+        "replicated_bytes": replicated_bytes(params, names[0]),
+    }
+  return out
+
+
+def _elements_of(c) -> int:
+  """A scalar collective's result size, in 4-byte elements (f32 or s32)."""
+  return c.nbytes // 4
+
+
+if __name__ == "__main__":
+  import json  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_platforms", "cpu")  # before any backend starts.
+  if sys.argv[1:] == ["gpu"]:
+    print(json.dumps(gpu_report()))
