@@ -109,16 +109,16 @@ def test_every_policy_is_exact_sharded_and_placed(
 def _expected_typed_counts(gradient_sync, gather_params):
   """``(in the loop, outside it)`` of the typed form's gradient-sized ones.
 
-  XLA on CPU writes the reduce-scatter of an unreduced sum into a sharded
-  one as an all-reduce and a slice: each micro-batch's under
-  ``gradient_sync="every_microbatch"`` (one, all leaves together), and the
-  step's one reduction after the loop.
+  A sharded leaf's sum is reduce-scattered (``lax.psum_scatter`` of each
+  device's partial: each micro-batch's under
+  ``gradient_sync="every_microbatch"``, else the step's one after the
+  loop); the replicated leaf's is all-reduced once, after the loop.
   """
   gathers = {"all-gather": SHARDED_LEAVES}
+  scatters = {"reduce-scatter": SHARDED_LEAVES}
   in_loop, outside = {}, {"all-reduce": 1}
   (in_loop if gather_params == EVERY else outside).update(gathers)
-  if gradient_sync == EVERY:
-    in_loop["all-reduce"] = 1
+  (in_loop if gradient_sync == EVERY else outside).update(scatters)
   return in_loop, outside
 
 
@@ -167,9 +167,9 @@ def test_sharded_over_one_of_two_data_axes_sums_over_the_other_once():
   assert grads["w1"].sharding.spec[0] == "fsdp"
   by_axes = oa.count_collectives(compiled, mesh=mesh,
                                  include_scalars=False).by_axes
-  # In the loop, w1 gathered and its gradient reduced over "fsdp" only (an
-  # all-reduce and a slice, on CPU); over "data" once, after the loop.
-  assert by_axes[("fsdp",)].in_loop == {"all-gather": 1, "all-reduce": 1}
+  # In the loop, w1 gathered and its gradient reduce-scattered over "fsdp"
+  # only; over "data" once, after the loop.
+  assert by_axes[("fsdp",)].in_loop == {"all-gather": 1, "reduce-scatter": 1}
   assert by_axes[("data",)].in_loop == {}
   assert by_axes[("data",)].outside == {"all-reduce": 1}
 

@@ -206,3 +206,47 @@ def cast_unreduced(x: Any, spec: P) -> Any:
     return jnp.where(first, v, jnp.zeros_like(v))
 
   return _on_own_partials(partial, (x,), spec)
+
+
+def reduce_scatter_unreduced(s: Any, target: P) -> Any:
+  """An unreduced sum reduced to ``target``: reduce-scattered where it shards.
+
+  ``s`` is typed unreduced over some mesh axes (each device's partial);
+  ``target`` shards it over some of them, and is unreduced over, or
+  replicated over, the others. Over the axes a dimension of ``target``
+  names, each device's partial is summed and scattered in one
+  ``lax.psum_scatter`` (a reduce-scatter: half the bytes of an all-reduce);
+  over the remaining axes of ``s`` that ``target`` keeps unreduced nothing
+  moves, and over the others it is a psum.
+
+  Workaround: ``jax.sharding.reshard`` from the unreduced type to a sharded
+  one compiles to a whole all-reduce and a slice on XLA's TPU backend (the
+  GPU backend turns it into a reduce-scatter itself). Remove when XLA's TPU
+  compiler forms reduce-scatters from that pattern
+  (``tests/test_compiled_tpu.py`` checks the reduce-scatters either way).
+  Falls back to the reshard where a dimension mixes the reduced axes with
+  others (the order of its blocks would differ).
+  """
+  over = set(_spec(s).unreduced)
+  entries = _partitions(target)
+  if not over or any(
+      set(_names(e)) & over and not set(_names(e)) <= over
+      for e in entries if e is not None):
+    return jax.sharding.reshard(s, target)
+  kept = set(target.unreduced)
+  summed = tuple(sorted(over - kept - {
+      a for e in entries if e is not None for a in _names(e)}))
+  low = jnp.issubdtype(s.dtype, jnp.floating) and jnp.finfo(s.dtype).bits < 32
+
+  def local(x):
+    dtype = x.dtype
+    x = x.astype(jnp.float32) if low else x
+    for dim, entry in enumerate(entries):
+      names = tuple(a for a in _names(entry) if a in over) if entry else ()
+      if names:
+        x = lax.psum_scatter(x, names, scatter_dimension=dim, tiled=True)
+    if summed:
+      x = lax.psum(x, summed)
+    return x.astype(dtype)
+
+  return _on_own_partials(local, (s,), target)

@@ -248,7 +248,7 @@ class TypedLayout(NamedTuple):
           [g for _, g, _ in local], [b for _, _, b in local], c)
       for (i, _, _), value in zip(local, new):
         if self._syncs_in_loop(i):
-          value = sums[i] + jax.sharding.reshard(
+          value = sums[i] + compat.reduce_scatter_unreduced(
               value, sharding.full_spec(sums[i]))
         out[i] = value
     return self.treedef.unflatten(out)
@@ -361,9 +361,12 @@ class TypedLayout(NamedTuple):
 
     def finished(i, s):
       if not deferred:
+        if self.reduced[i] and not self._syncs_in_loop(i):
+          return compat.reduce_scatter_unreduced(s, self.targets[i])
         return jax.sharding.reshard(s, self.targets[i])
       if self.reduced[i]:  # a reduce-scatter over the axes that shard it.
-        return jax.sharding.reshard(s, self._unreduced_over_rest(i))
+        return compat.reduce_scatter_unreduced(
+            s, self._unreduced_over_rest(i))
       return compat.cast_unreduced(s, self._unreduced_over_rest(i))
 
     return partials._replace(grads=self.treedef.unflatten(
