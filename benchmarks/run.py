@@ -38,6 +38,7 @@ BENCHMARKS = (
     "bench_plan_8b",         # i. planning k for an 8B model, never allocated
     "bench_typed",           # j. the typed form on a cookbook-style decoder
     "bench_deferred",        # l. the deferred loop without axis_name, d x t
+    "bench_nnx_deferred",    # m. the deferred loop in an nnx.Optimizer
 )
 RESULTS_DIR = os.path.join(_HERE, "results")
 
