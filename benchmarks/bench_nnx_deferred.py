@@ -82,6 +82,7 @@ PARTS = (
     "jax.jit call of a trivial program (the split state)",
     "grad, deferred (one micro-batch)",
     "grad, jax.grad (one micro-batch)",
+    "grad, jax.grad (the whole batch)",
     "floor: deferred grad + donated sum + g",
     "micro-step: deferred grad + tx.update + apply, donated",
     "tx.update alone, non-emitting (g, state donated)",
@@ -238,7 +239,7 @@ def _grad_fn(loss_fn, graphdef, deferred):
   return jax.value_and_grad(loss_of)
 
 
-def _parts(cfg, micro):
+def _parts(cfg, micro, whole):
   """Each part of a micro-step, compiled alone: ``(prepare, run)``."""
   k = cfg["k"]
   model, loss_fn = _models.make_nnx_decoder(**cfg["model"])
@@ -290,6 +291,7 @@ def _parts(cfg, micro):
       (nothing, lambda _: jit_trivial(split_state, b0)),
       (nothing, lambda _: deferred_grad(params, b0)),
       (nothing, lambda _: plain_grad(params, b0)),
+      (nothing, lambda _: plain_grad(params, whole)),
       (lambda: copy(state.grad_sum),
        lambda s: floor(params, s, b0)),
       (lambda: (copy(params), copy(state)), lambda a: jit_step(*a, b0)),
@@ -354,7 +356,7 @@ def _in_process(cfg):
         reps=reps)
     part_times, hlo = {}, {}
     if cfg.get("parts", True):
-      parts, hlo = _parts(cfg, micro)
+      parts, hlo = _parts(cfg, micro, whole)
       part_times = harness.summarize_times(_interleaved(parts, reps=reps))
   reference = first[NNX_FULL]
   return {
