@@ -137,20 +137,6 @@ def _updates(cfg, micro, whole):
     model, loss_fn = _models.make_nnx_decoder(**cfg["model"])
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param), loss_fn
 
-  def deferred_step(loss_fn):
-    grad_fn = oa.value_and_grad(
-        lambda params, batch, graphdef: loss_fn(
-            nnx.merge(graphdef, params), batch),
-        num_microbatches=1, num_tokens_fn=num_tokens,
-        gradient_sync="deferred")
-
-    def step(model, optimizer, batch):
-      graphdef, params = nnx.split(model, nnx.Param)
-      loss, grads = grad_fn(params, batch, graphdef)
-      optimizer.update(model, grads, num_tokens=num_tokens(batch))
-      return loss
-    return step
-
   def loop(step, model, optimizer, batches):
     def run():
       for b in batches:
@@ -159,15 +145,13 @@ def _updates(cfg, micro, whole):
     return run, model
 
   model, opt, loss_fn = fresh(oa.accumulate(_adamw(), every_k=k))
-  out[NNX_DEFERRED] = loop(nnx.jit(deferred_step(loss_fn)), model, opt,
-                           micro)
-  model, opt, loss_fn = fresh(oa.accumulate(_adamw(), every_k=k))
-  out[NNX_DONATED] = loop(
-      nnx.jit(deferred_step(loss_fn), donate_argnums=(0, 1)), model, opt,
-      micro)
-  model, opt, loss_fn = fresh(oa.accumulate(_adamw(), every_k=k))
-  cached = nnx.cached_partial(
-      nnx.jit(deferred_step(loss_fn), donate_argnums=(0, 1)), model, opt)
+  out[NNX_DEFERRED] = loop(nnx.jit(_nnx_step(loss_fn)), model, opt, micro)
+  # One function for both (fewer compiles): the model is an argument.
+  donated = nnx.jit(_nnx_step(loss_fn), donate_argnums=(0, 1))
+  model, opt, _ = fresh(oa.accumulate(_adamw(), every_k=k))
+  out[NNX_DONATED] = loop(donated, model, opt, micro)
+  model, opt, _ = fresh(oa.accumulate(_adamw(), every_k=k))
+  cached = nnx.cached_partial(donated, model, opt)
   out[NNX_CACHED] = (
       lambda: jax.block_until_ready([cached(b) for b in micro]), model)
 
@@ -176,7 +160,7 @@ def _updates(cfg, micro, whole):
     optimizer.update(model, grads, num_tokens=num_tokens(batch))
     return loss
 
-  model, opt, loss_fn = fresh(oa.accumulate(_adamw(), every_k=k))
+  model, opt, _ = fresh(oa.accumulate(_adamw(), every_k=k))
   out[NNX_NAIVE] = loop(nnx.jit(naive_step), model, opt, micro)
 
   one_call_fn = oa.value_and_grad(
@@ -195,9 +179,9 @@ def _updates(cfg, micro, whole):
     optimizer.update(model, grads)
     return loss
 
-  model, opt, loss_fn = fresh(_adamw())
+  model, opt, _ = fresh(_adamw())
   out[NNX_ONE_CALL] = loop(nnx.jit(one_call_step), model, opt, [whole])
-  model, opt, loss_fn = fresh(_adamw())
+  model, opt, _ = fresh(_adamw())
   out[NNX_FULL] = loop(nnx.jit(full_step), model, opt, [whole])
   out[JIT_DEFERRED] = _split_loop(cfg, oa.accumulate(_adamw(), every_k=k),
                                   micro, deferred=True)
