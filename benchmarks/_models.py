@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import optax
 
 
 def make_mlp(batch_size, d_in, width, depth, d_out, seed=0):
@@ -195,3 +196,73 @@ def make_llama_loss(heads, kv_heads):
     return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
   return loss_fn
+
+
+def make_nnx_decoder(vocab, dim, heads, ffn, layers, tensor="tensor", seed=0):
+  """A decoder written as a new Flax NNX user writes it; its loss function.
+
+  ``nnx.Embed``, ``nnx.LayerNorm``, ``nnx.Linear`` (the attention and MLP
+  kernels sharded over ``tensor`` by ``nnx.with_partitioning``; None:
+  replicated), causal :func:`jax.nn.dot_product_attention`. Under a mesh
+  with Explicit axes the batch is split over ``data``: the two projections
+  whose contraction is sharded name their output's sharding, and the
+  embedding is read with ``.at[ids].get(out_sharding=...)`` (``nnx.Embed``'s
+  own ``jnp.take`` is refused there). Built under ``jax.set_mesh`` the
+  parameters carry their sharding. Returns ``(model, loss_fn)``,
+  ``loss_fn(model, batch)`` the mean cross-entropy over unmasked tokens.
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  def kernel(names):
+    return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+
+  class Block(nnx.Module):
+
+    def __init__(self, rngs):
+      self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
+      self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, rngs=rngs,
+                            kernel_init=kernel((None, tensor)))
+      self.out = nnx.Linear(dim, dim, use_bias=False, rngs=rngs,
+                            kernel_init=kernel((tensor, None)))
+      self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
+      self.up = nnx.Linear(dim, ffn, rngs=rngs,
+                           kernel_init=kernel((None, tensor)))
+      self.down = nnx.Linear(ffn, dim, rngs=rngs,
+                             kernel_init=kernel((tensor, None)))
+
+    def __call__(self, x):
+      b, s, _ = x.shape
+      q, k, v = jnp.split(self.qkv(self.norm1(x)), 3, axis=-1)
+
+      def split_heads(t):
+        return t.reshape(b, s, heads, dim // heads)
+
+      a = jax.nn.dot_product_attention(
+          split_heads(q), split_heads(k), split_heads(v), is_causal=True)
+      x = x + self.out(a.reshape(b, s, dim), out_sharding=P("data"))
+      h = jax.nn.gelu(self.up(self.norm2(x)))
+      return x + self.down(h, out_sharding=P("data"))
+
+  class Decoder(nnx.Module):
+
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+      self.blocks = nnx.List([Block(rngs) for _ in range(layers)])
+      self.norm = nnx.LayerNorm(dim, rngs=rngs)
+      self.unembed = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+      x = self.embed.embedding[...].at[ids].get(out_sharding=P("data"))
+      for block in self.blocks:
+        x = block(x)
+      return self.unembed(self.norm(x))
+
+  def loss_fn(model, batch):
+    logits = model(batch["ids"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                         batch["labels"])
+    mask = batch["mask"]
+    return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+  return Decoder(nnx.Rngs(seed)), loss_fn

@@ -39,6 +39,7 @@ BENCHMARKS = (
     "bench_typed",           # j. the typed form on a cookbook-style decoder
     "bench_compiled",        # k. compiled for TPU v5e chips (needs libtpu)
     "bench_deferred",        # l. the deferred loop without axis_name, d x t
+    "bench_nnx_deferred",    # m. the deferred loop in an nnx.Optimizer
 )
 RESULTS_DIR = os.path.join(_HERE, "results")
 
