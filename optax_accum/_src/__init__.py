@@ -47,15 +47,24 @@ form it is in, and nothing calls back into an entry module.
 
 .. code-block:: text
 
-  accumulate.py         the micro-step: checks (incoming_grads.py), drops,
-   |                    the lazy-reset add (token_weighting.py), the emit
-   |                    decision, the next AccumulateState
-  emitting.py           the lax.cond's emitting branch: the one reduction per
-                        update (partial_sums.py), inner on the mean
+  accumulate.py         the state, the factory; update(): the form, the
+   |                    emit decision, the next AccumulateState
+  accumulate_forms.py   detect(): the form of this call, once (SINGLE,
+   |                    MANUAL, TYPED, SLOTS) -> a SumLayout (a Protocol)
+   |  add               the micro-step, on the layout's sums:
+   |                      microstep.py   drops, the lazy-reset add (SINGLE,
+   |                                     MANUAL: incoming_grads.py checks)
+   |                      typed_sums.py  TYPED: unreduced gradients under
+   |                                     jit, the sum unreduced by type
+   |                      slot_sums.py   SLOTS: a slot per device under jit
+  emitting.py           the lax.cond's emitting branch: layout.reduced (the
+                        one reduction per update), inner on the mean
 
 Helpers shared by both: axes.py (manual axes, device_local), sharding.py
 (specs, gathers, reduce-scatters), validation.py (argument checks),
-partition_specs.py and state_lookup.py (reading an AccumulateState), hlo.py
+partition_specs.py (specs of a state; reduced_state, to save one) and
+state_lookup.py (reading an AccumulateState), reducible_layers.py
+(add_bias, multiply_scale, reducible_layers), hlo.py
 (count_collectives), planner.py (plan_microbatches), caller_warnings.py
 (every warning, at the caller's line). compat.py holds the workarounds for
 JAX and XLA, each saying what retires it (``grep "Remove when"``).

@@ -149,13 +149,19 @@ def psum_over_size1_axes(tree: Any, names: tuple[str, ...]) -> Any:
       lambda z: lax.psum(z, names), y), x), tree)
 
 
-def _on_own_partials(fn: Callable[..., Any], args: tuple[Any, ...],
+def on_own_partials(fn: Callable[..., Any], args: tuple[Any, ...],
                      out_specs: Any) -> Any:
   """``fn(*args)`` on each device's own blocks: every mesh axis manual.
 
-  An unreduced leaf arrives as the device's partial, a plain array. JAX
-  takes unreduced specs only with every axis manual, and its type checker
-  sees a partial as neither invariant nor varying (``check_vma=False``).
+  Each argument leaf is split as its type says: an unreduced leaf arrives
+  as the device's partial, a plain array. JAX takes unreduced specs only
+  with every axis manual, and its type checker sees a partial as neither
+  invariant nor varying (``check_vma=False``).
+
+  Workaround: JAX has no unreduced rules for most arithmetic (a product
+  with a replicated scalar, ``where``, ``isfinite``, ``div``), so it is
+  written on each device's blocks. Remove with its callers' workarounds,
+  when those rules exist.
   """
   return jax.shard_map(
       fn, in_specs=jax.tree.map(_spec, args), out_specs=out_specs,
@@ -179,7 +185,7 @@ def add_to_partials(add: Callable[..., list[Any]], grads: list[Any],
   """
   if not grads:
     return []
-  return _on_own_partials(add, (grads, sums, weight),
+  return on_own_partials(add, (grads, sums, weight),
                           [_spec(s) for s in sums])
 
 
@@ -205,7 +211,7 @@ def cast_unreduced(x: Any, spec: P) -> Any:
     first = lax.axis_index(over) == 0
     return jnp.where(first, v, jnp.zeros_like(v))
 
-  return _on_own_partials(partial, (x,), spec)
+  return on_own_partials(partial, (x,), spec)
 
 
 def reduce_scatter_unreduced(s: Any, target: P) -> Any:
@@ -249,4 +255,4 @@ def reduce_scatter_unreduced(s: Any, target: P) -> Any:
       x = lax.psum(x, summed)
     return x.astype(dtype)
 
-  return _on_own_partials(local, (s,), target)
+  return on_own_partials(local, (s,), target)

@@ -3,7 +3,7 @@
 A state built with ``axis_name`` keeps each device's partial sums behind a
 leading slot axis (:mod:`partial_sums`). Under plain jit, on gradients typed
 unreduced over those axes, each call adds every device's partial to its own
-slot inside a shard_map over the whole mesh (:func:`unreduced_sums.run_local`),
+slot inside a shard_map over the whole mesh (:func:`compat.on_own_partials`),
 with no gradient-sized communication; the emitting branch reshards the slots
 (:func:`unreduced_sums.sum_slots`).
 """
@@ -13,8 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optax_accum._src import compat
 from optax_accum._src import emitting
 from optax_accum._src import microstep
+from optax_accum._src import sharding
 from optax_accum._src import token_weighting
 from optax_accum._src import unreduced_sums
 
@@ -50,9 +52,9 @@ def add_to_slots(updates: Any, state: Any, params: Any, tokens: jax.Array,
 
   sums = (state.grad_sum, state.token_count, state.nonfinite_count,
           state.skipped_count)
-  sums = unreduced_sums.run_local(
+  sums = compat.on_own_partials(
       local, (updates, sums, tokens, skipped, state.micro_step == 0),
-      unreduced_sums.local_specs(sums),
+      jax.tree.map(sharding.full_spec, sums),
   )
   grad_sum, token_count, nonfinite_count, skipped_count = sums
   return microstep.MicroStep(

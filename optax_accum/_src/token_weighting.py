@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from optax_accum._src import caller_warnings
+from optax_accum._src import compat
+from optax_accum._src import sharding
 from optax_accum._src import unreduced_sums
 
 # The construction argument by which a user says that equal weights are meant.
@@ -181,7 +183,7 @@ def mean(total: Any, token_count: jax.Array, like: Any) -> Any:
 
     if not unreduced_sums.unreduced_axes(s):
       return local(s, safe_count)
-    return unreduced_sums.run_local(
-        local, (s, safe_count), unreduced_sums.local_specs(s))
+    return compat.on_own_partials(
+        local, (s, safe_count), sharding.full_spec(s))
 
   return jax.tree.map(divide, total, like)

@@ -30,6 +30,7 @@ from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import compat
 from optax_accum._src import emitting
 from optax_accum._src import incoming_grads
 from optax_accum._src import microstep
@@ -108,7 +109,7 @@ def checked(updates: Any, grad_sum: Any) -> Any:
 
 
 def _on_first_device(x: jax.Array, over: tuple[str, ...]) -> jax.Array:
-  """Inside ``run_local``: ``x`` on the first device of ``over``, else 0."""
+  """Per device: ``x`` on the first device of ``over``, zeros elsewhere."""
   return jnp.where(lax.axis_index(over) == 0, x, jnp.zeros_like(x))
 
 
@@ -160,7 +161,7 @@ def add(updates: Any, state: Any, params: Any, tokens: jax.Array,
   sums = _laid_out_like(jax.tree.leaves(state.grad_sum), grads, types)
   sum_specs = [P(*sharding.partitions(sharding.full_spec(s)),
                  unreduced=set(t.over)) for s, t in zip(sums, types)]
-  new_sums, added, nonfinite = unreduced_sums.run_local(
+  new_sums, added, nonfinite = compat.on_own_partials(
       local,
       (grads, sums, tokens, skip, state.micro_step == 0),
       (sum_specs, P(), P()),
@@ -181,20 +182,12 @@ def add(updates: Any, state: Any, params: Any, tokens: jax.Array,
 
 
 def reduce_sum(s: jax.Array) -> jax.Array:
-  """A running sum resharded like its parameter: the one reduction.
-
-  Sums kept in a 16-bit float are reduced in float32 (XLA has aborted on
-  16-bit all-reduces over a data axis, and float32 keeps the precision).
-  """
-  over = unreduced_sums.unreduced_axes(s)
-  if not over:
+  """A running sum reduced to its parameter's sharding: the one reduction
+  (a psum of each device's partial, 16-bit floats summed in float32)."""
+  if not unreduced_sums.unreduced_axes(s):
     return s
   plain = P(*sharding.partitions(sharding.full_spec(s)))
-  if jnp.finfo(s.dtype).bits < 32:
-    s = unreduced_sums.run_local(
-        lambda x: x.astype(jnp.float32), (s,),
-        P(*sharding.partitions(plain), unreduced=set(over)))
-  return jax.sharding.reshard(s, plain)
+  return compat.reduce_scatter_unreduced(s, plain)
 
 
 def reduced(cycle: emitting.Cycle) -> emitting.Cycle:

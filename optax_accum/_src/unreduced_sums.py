@@ -31,24 +31,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import axes
+from optax_accum._src import compat
 from optax_accum._src import sharding
-
-
-def check_mesh(axis_name: axes.AxisName) -> None:
-  """Under jit, only Explicit axes can type a gradient unreduced.
-
-  On Explicit axes the typed form (:mod:`typed_form`) runs instead of the
-  shard_map this guards, so only Auto axes get here.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  if not axes.all_explicit(axis_name):
-    raise ValueError(
-        f"gradient_sync='deferred' returns the gradient typed unreduced over"
-        f" axis_name={axis_name!r}, which needs AxisType.Explicit mesh axes;"
-        f" the current mesh is {mesh}. Make the mesh with"
-        " jax.make_mesh(..., axis_types=(AxisType.Explicit, ...)), or use"
-        " gradient_sync='once'."
-    )
 
 
 def unreduced_axes(x: Any) -> frozenset[str]:
@@ -149,29 +133,9 @@ def summed_like(grads: Any) -> Any:
   )
 
 
-def run_local(fn: Any, args: tuple[Any, ...], out_specs: Any) -> Any:
-  """Runs ``fn(*args)`` on each device's own blocks, in a shard_map.
-
-  Each argument leaf is split as its type says: an unreduced one arrives as
-  the device's partial, a slot-holding one as the device's slot. Every mesh
-  axis is manual (JAX takes unreduced specs only so), and types are not
-  checked inside (``check_vma=False``): a partial is neither invariant nor
-  varying to JAX's checker.
-  """
-  return jax.shard_map(
-      fn, in_specs=local_specs(args), out_specs=out_specs,
-      axis_names=set(jax.sharding.get_abstract_mesh().axis_names),
-      check_vma=False,
-  )(*args)
-
-
-def local_specs(tree: Any) -> Any:
-  """The specs of a tree's leaves, read off their types, for shard_map."""
-  return jax.tree.map(sharding.full_spec, tree)
-
-
 def is_first_device(axis_name: axes.AxisName) -> jax.Array:
-  """Inside :func:`run_local`: whether this is device 0 of the data axes.
+  """In :func:`compat.on_own_partials`: whether this is the data axes'
+  device 0.
 
   Counts that are the same on every device (the global token count, a
   global drop) go into device 0's slot only, so that the sum over the slots
@@ -181,7 +145,7 @@ def is_first_device(axis_name: axes.AxisName) -> jax.Array:
 
 
 def any_device(flag: jax.Array, axis_name: axes.AxisName) -> jax.Array:
-  """Inside :func:`run_local`: whether ``flag`` holds on any device."""
+  """In :func:`compat.on_own_partials`: whether ``flag`` holds anywhere."""
   return lax.psum(flag.astype(jnp.int32), axes.axes_of(axis_name)) > 0
 
 
@@ -197,7 +161,7 @@ def sum_slots(slots: Any) -> Any:
   rest = P(*spec[1:])
   if not over:
     return slots.reshape(slots.shape[1:])
-  unreduced = run_local(
+  unreduced = compat.on_own_partials(
       lambda s: s.reshape(s.shape[1:]), (slots,),
       P(*sharding.partitions(rest), unreduced=over),
   )
