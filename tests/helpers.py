@@ -108,6 +108,25 @@ def raw_mean(token_losses, batch):
 # Micro-batches.
 
 
+def uneven_micro_batches(num: int, seed: int, rows: int, seq: int, dim: int,
+                         devices: int):
+  """``num`` padded micro-batches of ``rows`` rows with uneven lengths, as
+  jax arrays; in the second, the first device's rows have no token."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(num):
+    lengths = rng.integers(0, seq + 1, size=rows)
+    if i == 1:
+      lengths[:rows // devices] = 0
+    out.append(jax.tree.map(jnp.asarray, padded_batch(rng, lengths, seq, dim)))
+  return out
+
+
+def mlp_mean_loss(params, batch):
+  """:func:`mlp_token_losses`' mean over the batch's tokens."""
+  return safe_mean(mlp_token_losses(params, batch), batch)
+
+
 def split(batch, num_microbatches: int):
   """The micro-batches of ``batch``, in order: contiguous blocks of rows."""
   size = len(jax.tree.leaves(batch)[0]) // num_microbatches

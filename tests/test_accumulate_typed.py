@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
@@ -30,19 +29,10 @@ def _params():
 
 
 def _micro_batches(num=K, seed=0):
-  rng = np.random.default_rng(seed)
-  out = []
-  for i in range(num):
-    lengths = rng.integers(0, SEQ + 1, size=ROWS)
-    if i == 1:
-      lengths[:ROWS // N] = 0  # device 0 has no token in this micro-step.
-    out.append(jax.tree.map(
-        jnp.asarray, helpers.padded_batch(rng, lengths, SEQ, DIM)))
-  return out
+  return helpers.uneven_micro_batches(num, seed, ROWS, SEQ, DIM, N)
 
 
-def _loss(params, batch):
-  return helpers.safe_mean(helpers.mlp_token_losses(params, batch), batch)
+_loss = helpers.mlp_mean_loss
 
 
 def _tp_loss(params, batch):
@@ -88,6 +78,18 @@ def _micro_step(tx, grad_fn=None, **update_kwargs):
   return micro_step
 
 
+def _jax_grad_step(tx):
+  """The naive micro-step: jax.grad, which JAX reduces in the call."""
+
+  @jax.jit
+  def micro_step(params, state, batch):
+    grads = jax.grad(_loss)(params, batch)
+    return tx.update(grads, state, params,
+                     num_tokens=helpers.num_tokens(batch))
+
+  return micro_step
+
+
 def _run(micro_step, params, state, batches):
   for batch in batches:
     updates, state, _ = micro_step(params, state, batch)
@@ -128,11 +130,7 @@ def test_naive_loop_reduces_every_call():
   """Negative control: jax.grad under jit reduces the gradient each call."""
   tx = oa.accumulate(optax.sgd(1.0), every_k=K)
 
-  @jax.jit
-  def micro_step(params, state, batch):
-    grads = jax.grad(_loss)(params, batch)
-    return tx.update(grads, state, params,
-                     num_tokens=helpers.num_tokens(batch))
+  micro_step = _jax_grad_step(tx)
 
   with jax.set_mesh(_mesh()):
     params = jax.device_put(_params(), P())
@@ -275,11 +273,7 @@ def test_replicated_gradients_still_work_without_axis_name():
   batches = _micro_batches()
   tx = oa.accumulate(optax.sgd(1.0), every_k=K)
 
-  @jax.jit
-  def micro_step(params, state, batch):
-    grads = jax.grad(_loss)(params, batch)
-    return tx.update(grads, state, params,
-                     num_tokens=helpers.num_tokens(batch))
+  micro_step = _jax_grad_step(tx)
 
   with jax.set_mesh(_mesh()):
     params = jax.device_put(_params(), P())

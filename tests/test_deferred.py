@@ -39,19 +39,10 @@ def _params():
 
 
 def _micro_batches(num=K, seed=0):
-  rng = np.random.default_rng(seed)
-  out = []
-  for i in range(num):
-    lengths = rng.integers(0, SEQ + 1, size=ROWS)
-    if i == 1:
-      lengths[:ROWS // N] = 0  # device 0 has no token in this micro-step.
-    out.append(jax.tree.map(
-        jnp.asarray, helpers.padded_batch(rng, lengths, SEQ, DIM)))
-  return out
+  return helpers.uneven_micro_batches(num, seed, ROWS, SEQ, DIM, N)
 
 
-def _loss(params, batch):
-  return helpers.safe_mean(helpers.mlp_token_losses(params, batch), batch)
+_loss = helpers.mlp_mean_loss
 
 
 def _full_batch_grad(batches):
