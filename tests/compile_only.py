@@ -13,6 +13,7 @@ where the extra is not installed.
 import functools
 import importlib.util
 import math
+import os
 import pathlib
 import warnings
 
@@ -57,7 +58,13 @@ def missing_gpu() -> str | None:
 
 @functools.cache
 def tpu_devices(topology: str = "v5e:2x4") -> tuple[jax.Device, ...]:
-  """The compile-only TPU devices of ``topology`` (libtpu loads once)."""
+  """The compile-only TPU devices of ``topology`` (libtpu loads once).
+
+  libtpu refuses to load while another process holds it (a benchmark
+  compiling for a slice, another test run) unless told that this is fine:
+  nothing here runs on a TPU.
+  """
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   return tuple(topologies.get_topology_desc(
       platform="tpu", topology_name=topology).devices)
