@@ -332,8 +332,10 @@ def test_under_jit_with_fsdp_params_and_aux():
   assert grads["wb"].sharding.spec == P("data", None)  # the params' sharding.
   assert counts.in_loop == {}, counts
   # wb gathered once before the loops; the towers' reps gathered for the
-  # loss; the gradient reduced once (wb's scattered by a slice, on CPU).
-  assert counts.total == {"all-gather": 4, "all-reduce": 1}, counts
+  # loss; the gradient reduced once: wb's reduce-scattered, the rest's
+  # all-reduced.
+  assert counts.total == {"all-gather": 4, "all-reduce": 1,
+                          "reduce-scatter": 1}, counts
   # The typed form's loss sees the whole batch: the sum of every y.
   np.testing.assert_allclose(aux, np.asarray(_data(batch=32)["y"]).sum(),
                              rtol=1e-5)

@@ -172,9 +172,9 @@ def test_value_and_grad_under_jit_with_fsdp_params_reduce_scatters():
   _assert_matches_full_batch(loss, grads)
   assert grads["w"].sharding.spec == P("data")  # in the params' sharding.
   assert counts.in_loop == {}
-  # The parameter is gathered once before the loop; the gradient is reduced
-  # once after it (w's into shards: on CPU, XLA slices the all-reduce).
-  assert counts.outside == {"all-gather": 1, "all-reduce": 1}
+  # The parameter is gathered once before the loop; the gradient is
+  # reduce-scattered into its shards once after it.
+  assert counts.outside == {"all-gather": 1, "reduce-scatter": 1}
 
 
 def test_value_and_grad_under_jit_returns_aux_and_model_state():
