@@ -184,7 +184,9 @@ def test_xla_still_double_counts(monkeypatch):
   except Exception:  # JAX's own failure (jax 0.10.2: a bare
     return  # AssertionError in a unreduced rule) is a refusal too.
   expected = _full_batch("value_and_grad")
-  np.testing.assert_allclose(grads["w1"], 4 * expected["w1"], rtol=1e-5)
+  # Counted more than once (x4 once; x16 on jax 0.9.1 since the layout
+  # refactor): wrong either way, which is what the refusal guards.
+  assert not np.allclose(grads["w1"], expected["w1"], rtol=1e-3)
   np.testing.assert_allclose(grads["b2"], expected["b2"], rtol=1e-5)
 
 
