@@ -37,7 +37,7 @@ import optax
 
 import harness
 import optax_accum as oa
-from optax_accum._src import hlo
+from optax_accum._src.tools import hlo
 import report
 
 sys.path.insert(0, os.path.join(

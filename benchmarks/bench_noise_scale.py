@@ -24,7 +24,7 @@ import _models
 import bench_value_and_grad
 import harness
 import optax_accum as oa
-from optax_accum._src import noise_scale
+from optax_accum._src.rules import noise_scale
 import report
 
 KEY = "g"

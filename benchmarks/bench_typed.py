@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import optax_accum as oa
-from optax_accum._src import hlo
+from optax_accum._src.tools import hlo
 import report
 
 sys.path.insert(0, os.path.join(

@@ -1,37 +1,51 @@
 """optax_accum: exact gradient accumulation for JAX and optax."""
 
-from optax_accum._src.accumulate import accumulate as accumulate
-from optax_accum._src.accumulate import AccumulateState as AccumulateState
-from optax_accum._src.apply_updates import apply_if_updated as apply_if_updated
-from optax_accum._src.axes import device_local as device_local
-from optax_accum._src.coupled import (
-    coupled_value_and_grad as coupled_value_and_grad,
+from optax_accum._src.accumulate.apply_updates import (
+    apply_if_updated as apply_if_updated,
 )
-from optax_accum._src.hlo import CollectiveCounts as CollectiveCounts
-from optax_accum._src.hlo import count_collectives as count_collectives
-from optax_accum._src.noise_scale import GradStats as GradStats
-from optax_accum._src.partition_specs import reduced_state as reduced_state
-from optax_accum._src.partition_specs import (
+from optax_accum._src.accumulate.partition_specs import (
+    reduced_state as reduced_state,
+)
+from optax_accum._src.accumulate.partition_specs import (
     state_partition_specs as state_partition_specs,
 )
-from optax_accum._src.planner import Plan as Plan
-from optax_accum._src.planner import plan_microbatches as plan_microbatches
-from optax_accum._src.reduced_fallbacks import Report as ShardingReport
-from optax_accum._src.reduced_fallbacks import (
-    sharding_report as sharding_report,
-)
-from optax_accum._src.reducible_layers import add_bias as add_bias
-from optax_accum._src.reducible_layers import multiply_scale as multiply_scale
-from optax_accum._src.reducible_layers import (
-    reducible_layers as reducible_layers,
-)
-from optax_accum._src.state_lookup import (
+from optax_accum._src.accumulate.state import (
     find_accumulate_state as find_accumulate_state,
 )
-from optax_accum._src.state_lookup import grad_stats as grad_stats
-from optax_accum._src.state_lookup import has_updated as has_updated
-from optax_accum._src.state_lookup import tokens_seen as tokens_seen
-from optax_accum._src.value_and_grad import value_and_grad as value_and_grad
+from optax_accum._src.accumulate.state import grad_stats as grad_stats
+from optax_accum._src.accumulate.state import has_updated as has_updated
+from optax_accum._src.accumulate.state import tokens_seen as tokens_seen
+from optax_accum._src.accumulate.transform import accumulate as accumulate
+from optax_accum._src.accumulate.transform import (
+    AccumulateState as AccumulateState,
+)
+from optax_accum._src.mesh.axes import device_local as device_local
+from optax_accum._src.microbatch.coupled import (
+    coupled_value_and_grad as coupled_value_and_grad,
+)
+from optax_accum._src.microbatch.reduced_fallbacks import (
+    Report as ShardingReport,
+)
+from optax_accum._src.microbatch.reduced_fallbacks import (
+    sharding_report as sharding_report,
+)
+from optax_accum._src.microbatch.value_and_grad import (
+    value_and_grad as value_and_grad,
+)
+from optax_accum._src.rules.noise_scale import GradStats as GradStats
+from optax_accum._src.tools.hlo import CollectiveCounts as CollectiveCounts
+from optax_accum._src.tools.hlo import count_collectives as count_collectives
+from optax_accum._src.tools.planner import Plan as Plan
+from optax_accum._src.tools.planner import (
+    plan_microbatches as plan_microbatches,
+)
+from optax_accum._src.tools.reducible_layers import add_bias as add_bias
+from optax_accum._src.tools.reducible_layers import (
+    multiply_scale as multiply_scale,
+)
+from optax_accum._src.tools.reducible_layers import (
+    reducible_layers as reducible_layers,
+)
 
 __version__ = "0.1.0"
 

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import optax_accum as oa
-from optax_accum._src import hlo
+from optax_accum._src.tools import hlo
 import typed_model as tm
 
 # The H100 target config of XLA's repository, as jaxlib 0.10.2 parses it.

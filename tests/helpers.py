@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from optax_accum._src import hlo
-from optax_accum._src import sharding
+from optax_accum._src.mesh import readers
+from optax_accum._src.tools import hlo
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -82,7 +82,7 @@ def add_bias(x, bias):
   reduced and ``x`` sharded over the same axes; broadcasting ``bias`` to
   ``x``'s sharding first is accepted (docs/distributed.md).
   """
-  spec = sharding.explicit_spec(x)
+  spec = readers.explicit_spec(x)
   if spec is None:
     return x + bias
   return x + jax.lax.broadcast_in_dim(

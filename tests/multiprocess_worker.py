@@ -106,7 +106,7 @@ def main(process_id: int, num_processes: int, port: int, out: str) -> None:
 
 def _reductions(compiled, mesh, data_axes):
   """``[looped, bytes]`` of each reduction over the data axes."""
-  from optax_accum._src import hlo  # pylint: disable=g-import-not-at-top
+  from optax_accum._src.tools import hlo  # pylint: disable=g-import-not-at-top
   return [[c.looped, c.nbytes] for c in hlo.collectives(compiled, mesh)
           if c.collective in ("all-reduce", "reduce-scatter")
           and set(c.axes) & set(data_axes)]

@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
-from optax_accum._src import batching
+from optax_accum._src.microbatch import batching
 
 K = 4
 

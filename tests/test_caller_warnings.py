@@ -19,7 +19,7 @@ import pytest
 
 import helpers
 import optax_accum as oa
-from optax_accum._src import reduced_fallbacks
+from optax_accum._src.microbatch import reduced_fallbacks
 
 _NO_COUNT = "got no token counts"
 

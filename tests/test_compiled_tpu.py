@@ -18,7 +18,7 @@ import pytest
 
 import compile_only as co
 import optax_accum as oa
-from optax_accum._src import hlo
+from optax_accum._src.tools import hlo
 import typed_model as tm
 
 pytestmark = pytest.mark.skipif(co.missing_tpu() is not None,
@@ -184,7 +184,7 @@ def test_a_psum_scatter_of_a_partial_gradient_is_a_reduce_scatter():
 
 @pytest.mark.xfail(strict=True, reason=(
     "SPEC 11: the typed form now reduce-scatters its FSDP sums with an"
-    " explicit lax.psum_scatter (compat.reduce_scatter_unreduced), and XLA's"
+    " explicit lax.psum_scatter (collectives.reduce_scatter_unreduced), and XLA's"
     " TPU compiler keeps the 2-D and 3-D ones reduce-scatters; it still"
     " all-reduces the 4-D 'qkv' gradient (f32[128,3,4,32], sharded on dim"
     " 0) whole, in one tuple all-reduce with the replicated leaves, then"
@@ -197,6 +197,6 @@ def test_fsdp_gradients_leave_the_loop_as_reduce_scatters():
   assert not [c for c in found if c.looped]
   assert "reduce-scatter" in {c.collective for c in found}
   # All-reduced: only the parameters that are not sharded over fsdp (before
-  # compat.reduce_scatter_unreduced: the whole gradient of 'qkv').
+  # collectives.reduce_scatter_unreduced: the whole gradient of 'qkv').
   all_reduced = sum(c.nbytes for c in found if c.collective == "all-reduce")
   assert all_reduced <= co.replicated_bytes(args[0], "fsdp"), found

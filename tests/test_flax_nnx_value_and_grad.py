@@ -18,7 +18,7 @@ import pytest
 
 import helpers
 import optax_accum as oa
-from optax_accum._src import microbatch_rng
+from optax_accum._src.microbatch import rng as rng_lib
 
 K = 4
 
@@ -77,7 +77,7 @@ def test_nnx_recipe_threads_state_and_draws_a_mask_per_micro_batch():
   rng = jax.random.key(1)
   (loss, new_state), grads = grad_fn(params, model_state, _batch(), rng=rng)
 
-  keys = [microbatch_rng.key_for(rng, i) for i in range(K)]
+  keys = [rng_lib.key_for(rng, i) for i in range(K)]
   step = jax.jit(jax.value_and_grad(nnx_loss, has_aux=True))
   expected_loss, expected_grads, expected_state = _by_hand(
       step, params, model_state, _batch(), keys)
@@ -132,7 +132,7 @@ def _devices_by_hand(step, params, model_state, batch, rng, num_devices):
   """
   losses, grads, states = [], [], []
   for device, shard in enumerate(helpers.split(batch, num_devices)):
-    keys = [microbatch_rng.key_for(jax.random.fold_in(rng, device), i)
+    keys = [rng_lib.key_for(jax.random.fold_in(rng, device), i)
             for i in range(K)]
     loss, g, state = _by_hand(step, params, model_state, shard, keys)
     losses.append(loss)
@@ -185,7 +185,7 @@ def test_nnx_recipe_on_an_auto_mesh(axis_name):
     strided = jax.tree.map(
         lambda x: x.reshape(-1, K, *x.shape[1:]).swapaxes(0, 1).reshape(
             x.shape), batch)
-    keys = [microbatch_rng.key_for(rng, i) for i in range(K)]
+    keys = [rng_lib.key_for(rng, i) for i in range(K)]
     expected_loss, expected_grads, expected_state = _by_hand(
         step, params, model_state, strided, keys)
     expected_norm = expected_state["norm"]
@@ -210,7 +210,7 @@ def test_nnx_recipe_on_an_explicit_mesh(axis_name):
   blocked = jax.tree.map(
       lambda x: x.reshape(8, K, -1, *x.shape[1:]).swapaxes(0, 1).reshape(
           x.shape), batch)
-  keys = [microbatch_rng.key_for(rng, i) for i in range(K)]
+  keys = [rng_lib.key_for(rng, i) for i in range(K)]
   expected_loss, expected_grads, expected_state = _by_hand(
       step, params, model_state, blocked, keys)
   _assert_matches(out, expected_loss, expected_grads, expected_state["norm"],

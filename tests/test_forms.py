@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import optax_accum as oa
-from optax_accum._src import forms
+from optax_accum._src.microbatch import forms
 
 
 def _mesh(shape, names, kind=AxisType.Explicit):

@@ -5,9 +5,9 @@ from typing import Protocol
 
 import pytest
 
-from optax_accum._src import layout
-from optax_accum._src import manual_layout
-from optax_accum._src import typed_layout
+from optax_accum._src.microbatch import layout
+from optax_accum._src.microbatch import manual_layout
+from optax_accum._src.microbatch import typed_layout
 
 IMPLEMENTATIONS = (layout.SingleLayout, manual_layout.ManualLayout,
                    typed_layout.TypedLayout)
@@ -34,9 +34,9 @@ def test_each_form_implements_the_whole_protocol(cls):
 
 def test_the_stages_never_ask_which_form_they_are_in():
   """Below the runner, nothing names a layout class or a form."""
-  from optax_accum._src import coupled  # pylint: disable=g-import-not-at-top
-  from optax_accum._src import microbatch_loop  # pylint: disable=g-import-not-at-top
-  for module in (microbatch_loop, coupled):
+  from optax_accum._src.microbatch import coupled  # pylint: disable=g-import-not-at-top
+  from optax_accum._src.microbatch import loop  # pylint: disable=g-import-not-at-top
+  for module in (loop, coupled):
     source = inspect.getsource(module)
     for word in ("ManualLayout", "TypedLayout", "SingleLayout",
                  "manual_layout", "typed_layout", "forms.", "lay is None",

@@ -20,7 +20,7 @@ import pytest
 
 import helpers
 import optax_accum as oa
-from optax_accum._src import forms
+from optax_accum._src.microbatch import forms
 
 E, A = AxisType.Explicit, AxisType.Auto
 ROWS, DIM, HIDDEN, OUT = 16, 4, 6, 3

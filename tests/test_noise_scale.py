@@ -27,9 +27,9 @@ import pytest
 
 import helpers
 import optax_accum as oa
-from optax_accum._src import noise_scale
-from optax_accum._src import reduced_fallbacks
-from optax_accum._src import token_weighting
+from optax_accum._src.microbatch import reduced_fallbacks
+from optax_accum._src.rules import noise_scale
+from optax_accum._src.rules import token_weighting
 
 SEQ, DIM = 4, 8
 

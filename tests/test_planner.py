@@ -15,7 +15,7 @@ import pytest
 
 import helpers
 import optax_accum as oa
-from optax_accum._src import planner
+from optax_accum._src.tools import planner
 
 N = 8  # simulated devices (tests/conftest.py).
 CANDIDATES = (1, 2, 4)

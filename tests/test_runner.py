@@ -19,9 +19,9 @@ import pytest
 
 import helpers
 import optax_accum as oa
-from optax_accum._src import batching
-from optax_accum._src import forms
-from optax_accum._src import sharding
+from optax_accum._src.mesh import readers
+from optax_accum._src.microbatch import batching
+from optax_accum._src.microbatch import forms
 
 DIM, HIDDEN, ROWS = 8, 8, 32
 
@@ -30,7 +30,7 @@ def _loss(params, batch):
   hidden = jnp.tanh(helpers.add_bias(batch["x"] @ params["w1"], params["b1"]))
   # A contraction, not (hidden * w2).sum(-1): JAX types w2 reduced so.
   pred = jnp.einsum("...h,h->...", hidden, params["w2"],
-                    out_sharding=sharding.explicit_spec(batch["y"]))
+                    out_sharding=readers.explicit_spec(batch["y"]))
   token_losses = batch["mask"] * (pred - batch["y"]) ** 2
   return helpers.safe_mean(token_losses, batch)
 

@@ -7,7 +7,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from optax_accum._src import sharding
+from optax_accum._src.mesh import collectives
+from optax_accum._src.mesh import readers
 
 
 def _mesh():
@@ -17,9 +18,9 @@ def _mesh():
 
 def test_restrict_keeps_only_the_named_axes():
   spec = P(("data", "model"), "fsdp", None)
-  assert sharding.restrict(spec, "data") == P("data")
-  assert sharding.restrict(spec, ("data", "fsdp")) == P("data", "fsdp")
-  assert sharding.restrict(spec, "tensor") == P()
+  assert readers.restrict(spec, "data") == P("data")
+  assert readers.restrict(spec, ("data", "fsdp")) == P("data", "fsdp")
+  assert readers.restrict(spec, "tensor") == P()
 
 
 def test_blockwise_reduce_scatter_of_a_tensor_parallel_operand():
@@ -30,7 +31,7 @@ def test_blockwise_reduce_scatter_of_a_tensor_parallel_operand():
     x = jax.device_put(parts.reshape(32, 4), P("data", "model"))
 
     def body(x):
-      return sharding.scatter(x, P("data"))[0]
+      return collectives.scatter(x, P("data"))[0]
 
     out = jax.jit(jax.shard_map(
         body, in_specs=P("data"), out_specs=P("data"), axis_names={"data"}))(x)
@@ -45,7 +46,7 @@ def test_sum_into_shards_scatters_sharded_leaves_and_sums_the_rest():
 
   def body(tree):
     tree = jax.tree.map(lambda x: x[0] * (lax.axis_index("data") + 1), tree)
-    return sharding.sum_into_shards(tree, specs, jnp.float32(1.0), "data")
+    return collectives.sum_into_shards(tree, specs, jnp.float32(1.0), "data")
 
   with jax.set_mesh(mesh):
     summed, extra = jax.jit(jax.shard_map(

@@ -28,7 +28,7 @@ import pytest
 
 import helpers
 import optax_accum as oa
-from optax_accum._src import sharding
+from optax_accum._src.mesh import readers
 
 K = 2  # micro-batches per device.
 BATCH, SEQ, DIM, HIDDEN = 32, 4, 8, 8
@@ -178,7 +178,7 @@ def token_losses(params, mb, keep=None, rng=None):
   if rng is not None:
     hidden = jnp.where(jax.random.bernoulli(rng, keep, hidden.shape),
                        hidden / keep.astype(dtype), 0)
-  rows = sharding.explicit_spec(mb["y"])
+  rows = readers.explicit_spec(mb["y"])
   if rows is None:
     pred = (hidden * params["w2"]).sum(-1)
   else:  # written for jax.jit: a contraction JAX types with w2 reduced.

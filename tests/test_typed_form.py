@@ -27,8 +27,8 @@ import pytest
 
 import helpers
 import optax_accum as oa
-from optax_accum._src import reduced_fallbacks
-from optax_accum._src import sharding
+from optax_accum._src.mesh import readers
+from optax_accum._src.microbatch import reduced_fallbacks
 import typed_model as tm
 
 pytestmark = pytest.mark.skipif(
@@ -223,7 +223,7 @@ def test_deferred_is_unreduced_over_data_on_a_mesh_with_model_axes():
             for g in jax.tree.leaves(grads)} == {frozenset({"data"})}
     summed = jax.jit(lambda g: jax.tree.map(
         lambda x: jax.sharding.reshard(
-            x, P(*sharding.partitions(jax.typeof(x).sharding.spec))), g))(
+            x, P(*readers.partitions(jax.typeof(x).sharding.spec))), g))(
                 grads)
   _close((loss, summed), _reference())
 

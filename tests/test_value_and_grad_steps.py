@@ -17,7 +17,7 @@ import pytest
 
 import helpers
 import optax_accum as oa
-from optax_accum._src import microbatch_rng
+from optax_accum._src.microbatch import rng as rng_lib
 
 N = 8  # simulated devices (tests/conftest.py).
 K = 2  # micro-batches (per device, with axis_name).
@@ -91,14 +91,14 @@ def test_each_micro_batch_gets_its_own_key_and_the_gradient_uses_it():
                                  num_tokens_fn=num_tokens))
   rng = _key(7)
   (_, keys), grads = fn(_params(), _data(), rng=rng)
-  expected_keys = [jax.random.key_data(microbatch_rng.key_for(rng, i))
+  expected_keys = [jax.random.key_data(rng_lib.key_for(rng, i))
                    for i in range(4)]
   np.testing.assert_array_equal(keys, np.stack(expected_keys))
   np.testing.assert_array_equal(  # the documented derivation
       keys[1], jax.random.key_data(jax.random.fold_in(rng, 1)))
   assert len({tuple(k) for k in np.asarray(keys)}) == 4
   expected = _hand_dropout_grads(zip(
-      helpers.split(_data(), 4), map(microbatch_rng.key_for,
+      helpers.split(_data(), 4), map(rng_lib.key_for,
                                      [rng] * 4, range(4))))
   helpers.assert_trees_close(grads, expected, rtol=1e-5, atol=1e-7)
 
@@ -121,7 +121,7 @@ def test_rng_is_reproducible_and_differs_across_calls_and_without_it():
   assert not helpers.trees_close(
       first, fn(_params(), _data(), rng=_key(1)), rtol=1e-3)
   raw = jax.random.PRNGKey(0)  # raw uint32 keys are keys too.
-  assert microbatch_rng.check(raw) is raw
+  assert rng_lib.check(raw) is raw
 
   def no_rng(params, batch, **kwargs):
     assert "rng" not in kwargs  # without rng, loss_fn never sees it.
@@ -158,7 +158,7 @@ def test_keys_differ_across_devices_under_axis_name_in_shard_map_and_jit():
   rows = BATCH // (N * K)
   expected = _hand_dropout_grads([
       (jax.tree.map(lambda x, j=d * K + i: x[j * rows:(j + 1) * rows],
-                    _data()), microbatch_rng.key_for(
+                    _data()), rng_lib.key_for(
                         jax.random.fold_in(rng, d), i))
       for d in range(N) for i in range(K)])
   helpers.assert_trees_close(grads, expected, rtol=1e-5, atol=1e-7)
@@ -442,7 +442,7 @@ def test_sharded_batch_without_axis_name_is_not_resharded(axis_type):
       tokens, np.stack([take(rows, i) for i in range(K)]))
   expected = _hand_dropout_grads([
       (jax.tree.map(lambda x, i=i: take(np.asarray(x), i), _data()),
-       microbatch_rng.key_for(rng, i)) for i in range(K)])
+       rng_lib.key_for(rng, i)) for i in range(K)])
   helpers.assert_trees_close(grads, expected, rtol=1e-5, atol=1e-7)
   for collective in ("all-gather", "all-to-all", "collective-permute"):
     assert collective not in counts.total, counts

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum._src import axes
+from optax_accum._src.mesh import axes
+from optax_accum._src.mesh import readers
 
 LOSS_REDUCTIONS = ("mean", "sum")
 INT32_MAX = 2**31 - 1
@@ -290,22 +291,22 @@ def refuse_extra_args(name: str, extra_args: dict[str, Any]) -> None:
   )
 
 
-def _tracks_varying(axis_name: axes.AxisName) -> bool:
+def _tracks_varying(axis_name: readers.AxisName) -> bool:
   """Whether values here carry which manual axes they vary over.
 
   Inside :func:`jax.shard_map` with ``check_vma=True`` (the default) they
   do; under :func:`jax.pmap` or ``check_vma=False`` every value looks
   invariant, and nothing can be told from types.
   """
-  probe = lax.pcast(jnp.zeros([]), axes.axes_of(axis_name), to="varying")
-  return set(axes.axes_of(axis_name)) <= axes.varying_axes(probe)
+  probe = lax.pcast(jnp.zeros([]), readers.axes_of(axis_name), to="varying")
+  return set(readers.axes_of(axis_name)) <= axes.varying_axes(probe)
 
 
-def check_device_local(name: str, tree: Any, axis_name: axes.AxisName) -> None:
+def check_device_local(name: str, tree: Any, axis_name: readers.AxisName) -> None:
   """Raises if a leaf is invariant over ``axis_name`` where types tell."""
   if not _tracks_varying(axis_name):
     return
-  wanted = set(axes.axes_of(axis_name))
+  wanted = set(readers.axes_of(axis_name))
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     missing = wanted - axes.varying_axes(leaf)
     if missing:
@@ -321,7 +322,7 @@ def check_device_local(name: str, tree: Any, axis_name: axes.AxisName) -> None:
 
 
 def check_grads(grads: Any, grad_sum: Any,
-                axis_name: axes.AxisName | None, *,
+                axis_name: readers.AxisName | None, *,
                 check_local: bool = True) -> Any:
   """Returns the incoming gradients as arrays, checked against the state.
 
@@ -347,7 +348,7 @@ def check_grads(grads: Any, grad_sum: Any,
 
 
 def check_same_on_every_device(
-    name: str, value: jax.Array, axis_name: axes.AxisName
+    name: str, value: jax.Array, axis_name: readers.AxisName
 ) -> None:
   """Raises if ``value`` may differ between devices of ``axis_name``.
 
@@ -355,7 +356,7 @@ def check_same_on_every_device(
   """
   if not _tracks_varying(axis_name):
     return
-  varying = set(axes.axes_of(axis_name)) & axes.varying_axes(value)
+  varying = set(readers.axes_of(axis_name)) & axes.varying_axes(value)
   if varying:
     raise ValueError(
         f"{name} varies over axis {sorted(varying)}: every device must make"

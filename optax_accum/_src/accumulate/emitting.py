@@ -1,0 +1,112 @@
+"""The emitting branch of :func:`optax_accum.accumulate`.
+
+On the call that ends a cycle, the running sums of this device (and, with
+a data axis, of every device, in the one reduction per update that the
+call's form says: a psum inside shard_map, a reshard under jit) become the
+token-weighted mean that ``inner`` is run on; a cycle without tokens hands
+back zero updates instead and leaves ``inner``'s state alone. Every other
+call takes the skipping branch. Both are branches of a ``lax.cond`` that only
+reads the running sum, so that XLA keeps a non-emitting call in place (see
+``microstep.add_to_sum``).
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import optax
+
+from optax_accum._src.accumulate import partial_sums
+from optax_accum._src.rules import grad_reduction as grad_reduction_lib
+from optax_accum._src.rules import noise_scale
+from optax_accum._src.rules import token_weighting
+
+
+class Cycle(NamedTuple):
+  """The running sums of a cycle: what the conditional reads."""
+
+  grad_sum: Any  # like params; per device under axis_name.
+  token_count: jax.Array  # per device under axis_name.
+  stats_sums: noise_scale.StatsSums | None  # None without with_stats.
+
+
+class Emitted(NamedTuple):
+  """What either branch hands back."""
+
+  updates: Any
+  inner_state: Any
+  updated: jax.Array  # shape=(), bool: inner ran on a cycle with tokens.
+  stats: noise_scale.GradStats | None  # this cycle's, or the previous ones.
+  # shape=(), float32: the tokens the update's mean divided by, over every
+  # device; 0 when none was made.
+  tokens: jax.Array
+
+
+class Emitter(NamedTuple):
+  """Runs ``inner`` on the cycle's mean, or hands back zero updates."""
+
+  inner: optax.GradientTransformationExtraArgs
+  layout: Any  # the call's accumulate_forms.SumLayout.
+  params: Any
+  extra_args: dict[str, Any]
+  like_grads: Any  # the gradients' tree: the mean takes their dtypes.
+  like_updates: Any  # ShapeDtypeStructs of inner's updates.
+  rules: list[str] | None  # grad_reduction per leaf; None: all "mean".
+
+  def run_inner(self, grad_sum, token_count, inner_state):
+    mean = grad_reduction_lib.finish(grad_sum, token_count, self.like_grads,
+                                     self.rules)
+    updates, new_state = self.inner.update(
+        mean, inner_state, self.params, **self.extra_args
+    )
+    return updates, optax.tree.cast_like(new_state, inner_state)
+
+  def skip_inner(self, grad_sum, token_count, inner_state):
+    del grad_sum, token_count
+    return partial_sums.zeros_like_partials(self.like_updates), inner_state
+
+  def emit(self, cycle: Cycle, inner_state, stats) -> Emitted:
+    """The emitting branch."""
+    del stats  # replaced by this cycle's.
+    with jax.named_scope("optax_accum_emit"):
+      cycle = self.layout.reduced(cycle, self.rules)
+      updated = token_weighting.has_tokens(cycle.token_count)
+      updates, inner_state = lax.cond(
+          updated, self.run_inner, self.skip_inner, cycle.grad_sum,
+          cycle.token_count, inner_state,
+      )
+      return Emitted(updates, inner_state, updated,
+                     _stats_of(cycle, self.rules),
+                     jnp.where(updated, cycle.token_count, 0.0))
+
+  def skip(self, cycle: Cycle, inner_state, stats) -> Emitted:
+    updates, inner_state = self.skip_inner(
+        cycle.grad_sum, cycle.token_count, inner_state
+    )
+    return Emitted(updates, inner_state, jnp.bool_(False), stats,
+                   jnp.zeros([], jnp.float32))
+
+
+def _stats_of(cycle: Cycle, rules) -> noise_scale.GradStats | None:
+  """The noise statistics of a (device-reduced) cycle."""
+  if cycle.stats_sums is None:
+    return None
+  # |mean|^2 from the sum in the accumulator's precision.
+  count = jnp.where(cycle.token_count == 0, 1.0, cycle.token_count)
+  mean_sq_norm = noise_scale.sq_norm(grad_reduction_lib.only_means(
+      cycle.grad_sum, rules)) / jnp.square(count)
+  return noise_scale.estimate_from_norm(
+      cycle.stats_sums, mean_sq_norm, cycle.token_count
+  )
+
+
+def emitter(inner, layout, grads, inner_state, params, extra_args,
+            rules=None):
+  """The :class:`Emitter` of one ``update`` call, on ``layout``'s sums."""
+  like_updates = jax.eval_shape(
+      lambda g, s: inner.update(g, s, params, **extra_args)[0],
+      layout.summed_like(grads), inner_state,
+  )
+  return Emitter(inner, layout, params, extra_args, grads, like_updates,
+                 rules)

@@ -1,0 +1,173 @@
+"""One micro-step of :func:`optax_accum.accumulate`: what it adds, and why not.
+
+Every form of ``accumulate`` (:mod:`accumulate_forms`) adds a micro-step the
+same way: the drop decisions (``skip_nonfinite``, ``should_skip``), the
+token-weighted contribution, and the lazy-reset add to the running sum. The
+forms differ only in where the sum lives (one array, a device's slot, an
+unreduced array) and so in how the add is run.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_accum._src import validation
+from optax_accum._src.accumulate import emitting
+from optax_accum._src.mesh import readers
+from optax_accum._src.rules import grad_reduction as grad_reduction_lib
+from optax_accum._src.rules import noise_scale
+from optax_accum._src.rules import token_weighting
+
+
+class UpdateSettings(NamedTuple):
+  """The settings a micro-step is added under (fixed at construction)."""
+
+  loss_reduction: str
+  axis_name: readers.AxisName | None
+  skip_nonfinite: bool
+  should_skip: Callable[[Any, Any, Any], Any] | None
+  grad_reduction: Any  # the checked grad_reduction: a prefix of the grads.
+  with_stats: bool
+
+
+class MicroStep(NamedTuple):
+  """A micro-step added to the running sums, before the emit decision."""
+
+  grads: Any  # the incoming gradients, checked and floating.
+  leaf_rules: list[str] | None  # each leaf's rule; None: all "mean".
+  cycle: emitting.Cycle
+  nonfinite_count: jax.Array  # like state.nonfinite_count.
+  skipped_count: jax.Array  # like state.skipped_count.
+
+
+class Drops(NamedTuple):
+  """Why a micro-step adds nothing."""
+
+  nonfinite: jax.Array  # shape=(), bool: dropped by skip_nonfinite.
+  skipped: jax.Array  # shape=(), bool: dropped by should_skip.
+
+
+def all_finite(tree: Any) -> jax.Array:
+  finite = jnp.bool_(True)
+  for leaf in jax.tree.leaves(tree):
+    finite &= jnp.all(jnp.isfinite(leaf))
+  return finite
+
+
+def increment_where(flag, counter):
+  return jnp.where(flag, optax.safe_increment(counter), counter)
+
+
+def skipped(should_skip, updates, state, params):
+  """``should_skip``'s verdict, a bool scalar (False without one)."""
+  if should_skip is None:
+    return jnp.bool_(False)
+  return validation.check_predicate(
+      "should_skip(grads, state, params)", should_skip(updates, state, params)
+  )
+
+
+def skipped_on_partials(should_skip, updates, state, params):
+  """``should_skip`` on unreduced gradients, JAX's error kept, with a hint."""
+  try:
+    return skipped(should_skip, updates, state, params)
+  except (NotImplementedError, TypeError, ValueError) as e:
+    e.add_note(
+        "optax_accum: should_skip(grads, state, params) ran on unreduced"
+        " gradients (each device's partial; JAX allows little arithmetic on"
+        " them): decide from replicated values (the state's counts, the"
+        " loss, a flag), or use skip_nonfinite=True for non-finite"
+        " gradients."
+    )
+    raise
+
+
+def drops(updates, tokens, state, params, settings: UpdateSettings) -> Drops:
+  """Whether ``skip_nonfinite`` and ``should_skip`` drop this micro-step."""
+  nonfinite = jnp.bool_(False)
+  if settings.skip_nonfinite:
+    # A micro-step without tokens adds nothing whatever its gradient (often
+    # a 0/0 mean): it is not a dropped one.
+    bad_grads = ~all_finite(updates) & (tokens != 0)
+    nonfinite = token_weighting.is_bad_count(tokens) | bad_grads
+  return Drops(nonfinite=nonfinite,
+               skipped=skipped(settings.should_skip, updates, state, params))
+
+
+def add_to_sum(grad_sum, updates, contribution, cycle_start, rules):
+  """The running sum after this micro-step, with the lazy reset.
+
+  The call that starts a cycle (``micro_step == 0``) adds to zeros instead of
+  to the stored sum, which still holds the finished cycle's. Zeroing the sum
+  in the emitting branch instead would make it an output of the
+  ``lax.cond``, which XLA cannot write in place: every accumulator (and, on
+  CPU, inner-state) buffer would then be copied on every micro-step. This way
+  a non-emitting call is one fused in-place pass over the sum, and the
+  conditional only reads it.
+  """
+  restarted = grad_reduction_lib.restart(grad_sum, rules, cycle_start)
+  return grad_reduction_lib.add(restarted, updates, contribution, rules)
+
+
+def cycle_after(state, grads, contribution, loss_reduction,
+                rules) -> emitting.Cycle:
+  """The running sums with this micro-step added."""
+  stats_sums = state.stats_sums
+  if stats_sums is not None:
+    stats_sums = noise_scale.add(
+        stats_sums, grad_reduction_lib.only_means(grads, rules), contribution,
+        loss_reduction)
+  return emitting.Cycle(
+      grad_sum=add_to_sum(
+          state.grad_sum, grads, contribution, state.micro_step == 0, rules
+      ),
+      token_count=state.token_count + contribution.tokens,
+      stats_sums=stats_sums,
+  )
+
+
+def add_local(updates, state, params, tokens,
+              settings: UpdateSettings) -> MicroStep:
+  """Adds checked gradients that this device holds whole (or device-local)."""
+  dropped = drops(updates, tokens, state, params, settings)
+  contribution = token_weighting.contribution(
+      tokens, settings.loss_reduction,
+      drop=dropped.nonfinite | dropped.skipped
+  )
+  leaf_rules = grad_reduction_lib.per_leaf(settings.grad_reduction, updates)
+  return MicroStep(
+      grads=updates,
+      leaf_rules=leaf_rules,
+      cycle=cycle_after(state, updates, contribution,
+                        settings.loss_reduction, leaf_rules),
+      nonfinite_count=increment_where(dropped.nonfinite,
+                                      state.nonfinite_count),
+      skipped_count=increment_where(dropped.skipped, state.skipped_count),
+  )
+
+
+_STATS_UNREDUCED = (
+    "with_stats=True cannot estimate the noise scale from unreduced"
+    " gradients (gradient_sync='deferred' under jax.jit): it needs each"
+    " micro-step's reduced gradient norm, a gradient-sized reduction per"
+    " call. Use with_stats inside jax.shard_map with device-local gradients"
+    " and each device's own num_tokens, or oa.value_and_grad(...,"
+    " with_stats=True) without gradient_sync='deferred'."
+)
+
+
+def check_partials_settings(updates, settings: UpdateSettings) -> None:
+  """What unreduced gradients under jit cannot do, refused by name."""
+  if settings.with_stats:
+    raise ValueError(_STATS_UNREDUCED)
+  leaf_rules = grad_reduction_lib.per_leaf(settings.grad_reduction, updates)
+  if leaf_rules is not None and any(r != "mean" for r in leaf_rules):
+    raise ValueError(
+        f"grad_reduction={settings.grad_reduction!r} with unreduced"
+        " gradients under jax.jit: a max over the devices' partial"
+        " gradients is not the max of their sum. Use grad_reduction='mean'"
+        " there, or accumulate inside jax.shard_map."
+    )

@@ -1,0 +1,225 @@
+r"""Gradient caching: exact gradients of losses that couple a batch's examples.
+
+A contrastive loss with in-batch negatives, a loss divided by a batch-wide
+normaliser or a global load-balancing term is not a sum over examples: micro-
+batch ``i``'s gradient depends on every other example, so no weighting of
+micro-batch gradients gives the full batch's. Gradient caching (Gao et al.,
+2021) splits the model into an encoder and a loss on the whole batch's
+representations and computes the exact gradient in two passes over
+micro-batches, holding one micro-batch's activations at a time.
+"""
+
+from collections.abc import Callable
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from optax_accum._src import validation
+from optax_accum._src.mesh import readers
+from optax_accum._src.microbatch import batching
+from optax_accum._src.microbatch import coupled_passes
+from optax_accum._src.microbatch import fsdp
+from optax_accum._src.microbatch import layout
+from optax_accum._src.microbatch import loss_signature
+from optax_accum._src.microbatch import rng as rng_lib
+from optax_accum._src.microbatch import runner
+from optax_accum._src.microbatch import stages
+from optax_accum._src.rules import aux_reduction
+
+
+def _microbatch_keys(rng: Any, num_microbatches: int,
+                     axis_name: readers.AxisName | None) -> Any:
+  """The keys of :func:`rng_lib.key_for`, one per micro-batch."""
+  if rng is None:
+    return None
+  return jax.vmap(lambda i: rng_lib.key_for(rng, i, axis_name))(
+      jnp.arange(num_microbatches)
+  )
+
+
+class _Coupled(NamedTuple):
+  """The settings of one coupled_value_and_grad."""
+
+  encode_fn: Callable[..., Any]
+  loss_fn: Callable[..., Any]
+  num_microbatches: int
+  has_aux: bool
+  accumulator_dtype: Any
+  batch_axes: Any
+
+
+def _local(c: _Coupled, params, inputs, lay: layout.Layout) -> stages.Partials:
+  """Loss, aux and the gradient sum, before the one reduction.
+
+  With data axes made manual (``lay.num_devices > 1``) the loss is the mean
+  of the devices' losses on the gathered representations, so each device's
+  share (loss, direct gradient, representation cotangent) is divided by the
+  number of devices; the reduce-scatter sums the cotangents of each
+  device's rows.
+  """
+  k = c.num_microbatches
+  batch_split = lay.split(inputs.batch, k)
+  keys = _microbatch_keys(inputs.rng, k, lay.device_axis)
+  reps = coupled_passes.encode_all(
+      c.encode_fn, params, batch_split, keys, inputs.args)
+  own_rows = coupled_passes.floating_leaves(reps)
+  reps, batch = lay.gather_rows(reps, inputs.batch)
+  out = coupled_passes.loss_on_reps(
+      c.loss_fn, c.has_aux, lay.loss_params(params), reps, batch, inputs.args
+  )
+  cotangents = lay.scatter_rows(out.cotangents, own_rows)
+  devices = lay.num_devices
+  if devices > 1:
+    cotangents = [t / devices for t in cotangents]
+    direct = jax.tree.map(lambda g: g / devices, out.direct)
+  else:
+    direct = out.direct
+  cotangents = [batching.split_rows(t, batch_split) for t in cotangents]
+  init = lay.as_sums(jax.tree.map(
+      lambda g: g.astype(c.accumulator_dtype), direct))
+  grad_sum = coupled_passes.pull_back(
+      c.encode_fn, params, batch_split, keys, cotangents, init, inputs.args
+  )
+  loss = out.loss / devices if devices > 1 else out.loss
+  return stages.Partials(grads=grad_sum, sums=loss,
+                         maxima=[], minima=[], means=None, rest=out.aux)
+
+
+def _finalize(partials: stages.Partials, params,
+              lay: layout.Layout) -> stages.Result:
+  del lay  # no statistics here.
+  grads = jax.tree.map(
+      lambda s, p: s.astype(jnp.result_type(p)), partials.grads, params)
+  return stages.Result(
+      loss=partials.sums, grads=grads, model_state=None,
+      aux=aux_reduction.Parts(partials.rest, None), stats=None)
+
+
+def coupled_value_and_grad(
+    encode_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any],
+    *,
+    num_microbatches: int,
+    has_aux: bool = False,
+    axis_name: readers.AxisName | None = None,
+    accumulator_dtype: Any = jnp.float32,
+    batch_axes: Any = 0,
+    param_specs: Any = None,
+) -> Callable[..., Any]:
+  r"""Value and gradient of a loss coupling a batch, by micro-batches.
+
+  For ``L(params) = loss_fn(params, encode_fn(params, batch), batch)`` where
+  ``loss_fn`` couples the examples (in-batch negatives, a batch-wide
+  normaliser, a global load-balancing term), returns exactly (to float
+  rounding) ``jax.value_and_grad(L)(params)`` while holding the activations of
+  one micro-batch at a time, plus the whole batch's representations ``R``.
+  With ``R_i = encode_fn(params, microbatch_i)``, the chain rule gives
+
+  .. math::
+    \nabla L = \frac{\partial L}{\partial \theta}\Big|_R
+      + \sum_i J_{R_i}(\theta)^\top \frac{\partial L}{\partial R_i},
+
+  computed in three steps: a first :func:`jax.lax.scan` encodes every
+  micro-batch without keeping activations; the loss, its direct gradient and
+  its gradient with respect to ``R`` are taken on the whole batch; a second
+  scan runs each micro-batch forward again and pulls its slice of
+  :math:`\partial L / \partial R` back with :func:`jax.vjp`, adding it to a
+  sum kept in ``accumulator_dtype``. It costs one extra forward pass.
+
+  Representations may be any pytree whose leaves have one row per example
+  (two towers, embeddings and router logits, or integer labels that the loss
+  needs; leaves that are not floating get no gradient). With ``rng=`` each
+  micro-batch gets its own key, as in :func:`optax_accum.value_and_grad`
+  (``fold_in(rng, i)``, the device's index folded in first under
+  ``axis_name``), the same in both passes so that dropout masks agree; it is
+  passed to ``encode_fn`` as ``rng=``.
+
+  With ``axis_name`` (data parallelism, as in
+  :func:`optax_accum.value_and_grad`: a manual axis inside
+  :func:`jax.shard_map` or :func:`jax.pmap`, or an axis of the mesh set by
+  :func:`jax.set_mesh` under :func:`jax.jit`), each device encodes its shard
+  of the batch, the representations are all-gathered over the axis once, and
+  ``loss_fn`` gets the global batch's representations (in device order) with
+  this device's shard of ``batch``. The loss is taken as the mean of the
+  devices' losses (the same on every device when ``loss_fn`` reads only the
+  representations): one reduce-scatter gives each device the cotangent of its
+  own rows, and the gradient is summed over devices once, after the loop. No
+  collective runs inside either loop. Parameters sharded over the axis (FSDP)
+  are gathered once and their gradients reduce-scattered, as in
+  :func:`optax_accum.value_and_grad`. Under :func:`jax.jit` with a mesh,
+  ``aux`` comes back with a new leading axis, one entry per device.
+
+  Args:
+    encode_fn: ``encode_fn(params, microbatch, *args)`` (and ``rng=`` when
+      given) returning the representations of the micro-batch's examples: a
+      pytree whose leaves have the micro-batch's leading axis.
+    loss_fn: ``loss_fn(params, reps, batch, *args)`` returning a scalar loss,
+      or ``(loss, aux)`` with ``has_aux``; ``reps`` are the whole batch's.
+    num_microbatches: how many micro-batches to split the batch into.
+    has_aux: whether ``loss_fn`` returns auxiliary data.
+    axis_name: data-parallel axis (or axes): a manual axis or a mesh axis.
+    accumulator_dtype: floating dtype of the gradient's running sum.
+    batch_axes: the axis of each batch leaf to split into micro-batches, as
+      for :func:`optax_accum.value_and_grad`; ``encode_fn``'s
+      representations keep one row per example along their leading axis,
+      in the batch's order.
+    param_specs: how the parameters are sharded over ``axis_name``, as for
+      :func:`optax_accum.value_and_grad` (None: read off their types).
+
+  Returns:
+    ``fn(params, batch, *args, rng=None)`` returning ``(loss, grads)``, or
+    ``((loss, aux), grads)`` with ``has_aux``; ``grads`` in the parameters'
+    dtypes, the loss in the dtype ``loss_fn`` returns.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import optax_accum as oa
+    >>> encode = lambda w, x: x @ w
+    >>> def loss(w, reps, x):  # normalised by the whole batch: not a sum
+    ...   return jnp.sum(reps ** 2) / jnp.sum(jnp.abs(reps))
+    >>> w, x = jnp.ones((2, 3)), jnp.arange(8.0).reshape(4, 2)
+    >>> fn = oa.coupled_value_and_grad(encode, loss, num_microbatches=2)
+    >>> value, grads = fn(w, x)
+    >>> value
+    Array(9.857142, dtype=float32)
+    >>> full = jax.value_and_grad(lambda w: loss(w, encode(w, x), x))(w)
+    >>> bool(jnp.allclose(value, full[0]) and jnp.allclose(grads, full[1]))
+    True
+
+  References:
+    Gao et al, `Scaling Deep Contrastive Learning Batch Size under Memory
+    Limited Setup <https://arxiv.org/abs/2101.06983>`_, 2021
+  """
+  for name, f in (("encode_fn", encode_fn), ("loss_fn", loss_fn)):
+    if not callable(f):
+      raise TypeError(f"{name} must be callable, got {f!r}.")
+  num_microbatches = validation.check_positive_int(
+      "num_microbatches", num_microbatches
+  )
+  coupled = _Coupled(
+      encode_fn, loss_fn, num_microbatches,
+      validation.check_bool("has_aux", has_aux),
+      validation.check_accumulator_dtype(accumulator_dtype),
+      batching.check_batch_axes(batch_axes),
+  )
+  program = stages.Program(
+      local=functools.partial(_local, coupled), finalize=_finalize,
+      aux_axis=0, new_aux_axis=True)
+  settings = runner.Settings(
+      validation.check_axis_name(axis_name), num_microbatches,
+      coupled.batch_axes, fsdp.check_param_specs(param_specs), fsdp.Policy())
+
+  @functools.wraps(loss_fn)
+  def fn(params, batch, *args, rng=None):
+    loss_signature.check_params(params)
+    inputs = loss_signature.Inputs(
+        None, batch, args, {}, rng_lib.check(rng))
+    result = runner.run(program, settings, params, inputs)
+    aux = result.aux.stacked
+    return ((result.loss, aux), result.grads) if coupled.has_aux else (
+        result.loss, result.grads)
+
+  return fn

@@ -1,0 +1,161 @@
+"""The layout of one call: the interface every stage uses, whatever the form.
+
+The runner (:mod:`runner`) decides a call's form once (:mod:`forms`; the
+forms are told in ``docs/distributed.md``) and builds one :class:`Layout`
+for it. The micro-batch loop (:mod:`microbatch_loop`) and gradient caching
+(:mod:`coupled`) hold parameters, sum gradients and reduce through it alone,
+so that they read as the single-device algorithm. One implementation per
+form:
+
+* :class:`SingleLayout` (``single``): the identity; nothing to reduce;
+* :class:`manual_layout.ManualLayout` (``manual`` and ``auto``): data
+  axes made manual (shard_map, pmap, or the runner's shard_map over Auto
+  axes); collectives written out;
+* :class:`typed_layout.TypedLayout` (``typed``): Explicit data axes under
+  jit; the reduction is in the types (``reduced`` parameters, ``unreduced``
+  sums).
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from optax_accum._src.mesh import readers
+from optax_accum._src.microbatch import batching
+from optax_accum._src.microbatch import stages
+from optax_accum._src.rules import grad_reduction as grad_reduction_lib
+from optax_accum._src.rules import noise_scale
+from optax_accum._src.rules import token_weighting
+
+
+class Layout(Protocol):
+  """How one call's stages hold parameters, sum gradients and reduce them.
+
+  ``device_axis`` names the manual data axes whose device index is folded
+  into each micro-batch's key (:mod:`microbatch_rng`), or is None where the
+  loop sees the global batch. ``num_devices`` is how many devices' losses
+  gradient caching averages (1 where ``loss_fn`` sees the global batch).
+  """
+
+  device_axis: readers.AxisName | None
+  num_devices: int
+
+  def split(self, batch: Any, num_microbatches: int) -> batching.Split:
+    """The batch (this device's, or the global one) cut into micro-batches."""
+
+  def device_local(self, tree: Any) -> Any:
+    """``tree`` as a value that differs by device (the loop's carry)."""
+
+  def hold(self, params: Any) -> Any:
+    """What the loop closes over: whole parameters, or shards."""
+
+  def for_microbatch(self, held: Any, index: Any) -> Any:
+    """The whole parameters that micro-batch ``index`` differentiates."""
+
+  def zero_grads(self, held: Any, dtypes: Any) -> Any:
+    """The loop's zero gradient sums, in ``dtypes`` (per leaf)."""
+
+  def add_grads(self, total: Any, grads: Any,
+                c: token_weighting.Contribution,
+                rules: list[str] | None) -> Any:
+    """Adds one micro-batch's gradient to the sums, by ``rules``."""
+
+  def zero_stats(self) -> list[noise_scale.StatsSums]:
+    """The noise-scale sums, one per group of leaves (``docs/noise_scale``)."""
+
+  def add_stats(self, stats: list[noise_scale.StatsSums], grads: Any,
+                c: token_weighting.Contribution, loss_reduction: str,
+                count_tokens: Callable[[Any], jax.Array],
+                microbatch: Any) -> list[noise_scale.StatsSums]:
+    """Adds one micro-batch's small batches to the noise-scale sums."""
+
+  def sq_norms(self, tree: Any) -> list[jax.Array]:
+    """The squared norm of each stats group's leaves of a reduced gradient."""
+
+  def after_loop(self, total: Any, rules: list[str] | None) -> Any:
+    """The loop's gradient sums made ready for :meth:`reduce`."""
+
+  def reduce(self, partials: stages.Partials) -> stages.Partials:
+    """The one reduction over the data axes (the identity without one)."""
+
+  def gather_rows(self, reps: Any, batch: Any) -> tuple[Any, Any]:
+    """Gradient caching: every device's rows of ``reps``, in device order,
+    and the batch the coupled loss sees."""
+
+  def scatter_rows(self, cotangents: list[Any],
+                   like: list[Any]) -> list[Any]:
+    """Gradient caching: the summed cotangents of this device's rows."""
+
+  def loss_params(self, held: Any) -> Any:
+    """Gradient caching: the parameters the coupled loss differentiates."""
+
+  def as_sums(self, tree: Any) -> Any:
+    """A gradient typed like the loop's sums (gradient caching's start)."""
+
+
+class SingleLayout(NamedTuple):
+  """The ``single`` form: no data axis; every stage is the identity.
+
+  Its batch split takes rows ``i, i + k, ...`` where Auto axes of the
+  current mesh may shard the batch without saying how
+  (:func:`batching.split`).
+  """
+
+  leaf_axes: list[int | None]
+  device_axis: None = None
+  num_devices: int = 1
+
+  def split(self, batch, num_microbatches):
+    return batching.split(batch, None, num_microbatches,
+                          known_axes=self.leaf_axes)
+
+  def device_local(self, tree):
+    return tree
+
+  def hold(self, params):
+    return params
+
+  def for_microbatch(self, held, index):
+    del index
+    return held
+
+  def zero_grads(self, held, dtypes):
+    # zeros_like keeps each parameter's sharding (model-parallel axes).
+    return jax.tree.map(lambda p, dtype: jnp.zeros_like(p, dtype=dtype),
+                        held, dtypes)
+
+  def add_grads(self, total, grads, c, rules):
+    return grad_reduction_lib.add(total, grads, c, rules)
+
+  def zero_stats(self):
+    return [noise_scale.zero_sums()]
+
+  def add_stats(self, stats, grads, c, loss_reduction, count_tokens,
+                microbatch):
+    del count_tokens, microbatch
+    return [noise_scale.add(stats[0], grads, c, loss_reduction)]
+
+  def sq_norms(self, tree):
+    return [noise_scale.sq_norm(tree)]
+
+  def after_loop(self, total, rules):
+    del rules
+    return total
+
+  def reduce(self, partials):
+    return partials
+
+  def gather_rows(self, reps, batch):
+    return reps, batch
+
+  def scatter_rows(self, cotangents, like):
+    del like
+    return cotangents
+
+  def loss_params(self, held):
+    return held
+
+  def as_sums(self, tree):
+    return tree

@@ -1,0 +1,288 @@
+"""The scan over micro-batches: running sums of the loop's micro-batches.
+
+:func:`program` gives the runner (:mod:`runner`) this module's stages: *local*
+runs :func:`loop` on the loop's batch (one device's, or the global one) and
+hands its sums over as :class:`stages.Partials`; *finalize* turns the
+reduced sums into the means (:func:`finish`). The sums follow the
+token-weighting rule of ``token_weighting``; aux is stacked or reduced in the
+carry (``aux_reduction``); the noise-scale sums ride along with
+``with_stats``. Where parameters are held and gradients summed is the
+call's :class:`layout.Layout`'s business: the loop only calls it.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._src import validation
+from optax_accum._src.mesh import axes
+from optax_accum._src.mesh import readers
+from optax_accum._src.microbatch import batching
+from optax_accum._src.microbatch import layout
+from optax_accum._src.microbatch import loss_signature
+from optax_accum._src.microbatch import rng as rng_lib
+from optax_accum._src.microbatch import stages
+from optax_accum._src.rules import aux_reduction as aux_reduction_lib
+from optax_accum._src.rules import grad_reduction as grad_reduction_lib
+from optax_accum._src.rules import noise_scale
+from optax_accum._src.rules import token_weighting
+
+
+class Sums(NamedTuple):
+  """The loop's running sums (per device under ``axis_name``)."""
+
+  grads: Any  # like params, dtype=accumulator_dtype (per leaf).
+  loss: jax.Array  # shape=(), validation.scalar_sum_dtype.
+  tokens: jax.Array  # shape=(), dtype=jnp.float32.
+  aux: aux_reduction_lib.Running | None  # None when aux is only stacked.
+  stats: list[noise_scale.StatsSums] | None  # per group; None without.
+
+
+class AuxPlan(NamedTuple):
+  """How each aux leaf is reduced, and its shape (one micro-batch's)."""
+
+  reductions: list[str]
+  shapes: list[jax.ShapeDtypeStruct]
+  treedef: Any
+
+
+class LoopOut(NamedTuple):
+  """What the loop gives besides its sums."""
+
+  model_state: Any
+  loss_dtype: Any  # the dtype loss_fn returns.
+  stacked: Any  # aux (or its stacked leaves), one entry per micro-batch.
+  plan: AuxPlan | None  # None when aux is only stacked.
+  grad_rules: list[str] | None = None  # grad_reduction per leaf.
+
+
+class Options(NamedTuple):
+  """What the loop reads of one :func:`value_and_grad`'s settings."""
+
+  num_microbatches: int
+  num_tokens_fn: Callable[[Any], Any]  # token_weighting.count_fn's.
+  loss_reduction: str
+  accumulator_dtype: Any  # a dtype, or a tree prefix of params of them.
+  aux_reduction: Any
+  with_stats: bool
+  grad_reduction: Any = None  # None: every leaf "mean".
+
+
+def _token_count(num_tokens_fn, microbatch):
+  return validation.as_token_count(
+      "num_tokens_fn(microbatch)", num_tokens_fn(microbatch)
+  )
+
+
+def _rng_for(inputs, index, lay: layout.Layout):
+  if inputs.rng is None:
+    return None
+  return rng_lib.key_for(inputs.rng, index, lay.device_axis)
+
+
+def _aux_plan(loss, opts, params_for, inputs, batch_split,
+              lay) -> AuxPlan | None:
+  """Micro-batch 0's aux shapes (traced, not run), when aux is reduced."""
+  if not aux_reduction_lib.is_running(opts.aux_reduction):
+    return None
+  microbatch = batching.take(batch_split, 0)
+  _, (_, aux) = jax.eval_shape(lambda: loss(
+      params_for(jnp.zeros([], jnp.int32)), inputs.model_state, microbatch,
+      inputs, _rng_for(inputs, 0, lay)
+  ))
+  shapes, treedef = jax.tree.flatten(aux)
+  reductions = aux_reduction_lib.per_leaf(opts.aux_reduction, aux)
+  return AuxPlan(reductions, shapes, treedef)
+
+
+def _zero_sums(params, opts: Options, plan: AuxPlan | None,
+               lay: layout.Layout, rules) -> Sums:
+  dtypes = validation.per_leaf_dtypes(opts.accumulator_dtype, params)
+  scalar_dtype = validation.scalar_sum_dtype(opts.accumulator_dtype)
+  sums = Sums(
+      grads=grad_reduction_lib.start(lay.zero_grads(params, dtypes), rules),
+      loss=jnp.zeros([], scalar_dtype),
+      tokens=jnp.zeros([], jnp.float32),
+      aux=None if plan is None else aux_reduction_lib.init(
+          plan.shapes, plan.reductions, scalar_dtype),
+      stats=lay.zero_stats() if opts.with_stats else None,
+  )
+  # Under manual axes the sums are this device's: they differ by device.
+  return lay.device_local(sums)
+
+
+def check_num_real(num_real: Any, num_microbatches: int) -> jax.Array | None:
+  """``num_real_microbatches`` as an int32 scalar in ``[1, k]``, or None.
+
+  A concrete value outside the range raises; a traced one is clamped.
+  """
+  if num_real is None:
+    return None
+  is_int = isinstance(num_real, int) and not isinstance(num_real, bool)
+  is_int_scalar = (hasattr(num_real, "dtype") and jnp.ndim(num_real) == 0
+                   and jnp.issubdtype(num_real.dtype, jnp.integer))
+  if not (is_int or is_int_scalar):
+    raise TypeError(
+        "num_real_microbatches must be an integer scalar, got"
+        f" {num_real!r}."
+    )
+  if not isinstance(num_real, jax.core.Tracer):
+    if not 1 <= int(num_real) <= num_microbatches:
+      raise ValueError(
+          f"num_real_microbatches={int(num_real)} must be in [1,"
+          f" num_microbatches={num_microbatches}]."
+      )
+  return jnp.clip(jnp.asarray(num_real, jnp.int32), 1, num_microbatches)
+
+
+def _run_microbatches(step, init, num_microbatches, num_real):
+  """``lax.scan(step, init, arange(k))``, or only the first ``num_real``.
+
+  With ``num_real`` the loop is a ``lax.fori_loop`` with that traced trip
+  count (an XLA while loop: the micro-batches past it are not computed, and
+  another count needs no recompilation); the outputs of the skipped
+  micro-batches are zeros.
+  """
+  indices = jnp.arange(num_microbatches)
+  if num_real is None:
+    return lax.scan(step, init, indices)
+  def zeros(shape):
+    spec = readers.explicit_spec(shape)
+    buffer = jnp.zeros(
+        (num_microbatches,) + shape.shape, shape.dtype,
+        out_sharding=None if spec is None else P(None, *spec))
+    # Under shard_map the outputs may vary over the axis: so must the carry.
+    vma = tuple(sorted(axes.varying_axes(shape)))
+    return lax.pcast(buffer, vma, to="varying") if vma else buffer
+
+  stacked = jax.tree.map(
+      zeros, jax.eval_shape(lambda: step(init, indices[0])[1]))
+
+  def body(index, state):
+    carry, stacked = state
+    carry, out = step(carry, index)
+    return carry, jax.tree.map(
+        lambda buf, x: lax.dynamic_update_index_in_dim(buf, x, index, 0),
+        stacked, out)
+
+  return lax.fori_loop(0, num_real, body, (init, stacked))
+
+
+def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
+         lay: layout.Layout):
+  """The scan over the loop's micro-batches: ``(sums, loop_out)``.
+
+  ``params`` are what ``lay.hold`` keeps: made whole for each micro-batch,
+  and the gradients summed, as ``lay`` says.
+  """
+
+  def params_for(index):
+    return lay.for_microbatch(params, index)
+
+  batch_split = lay.split(inputs.batch, opts.num_microbatches)
+  plan = _aux_plan(loss, opts, params_for, inputs, batch_split, lay)
+  rules = grad_reduction_lib.per_leaf(opts.grad_reduction, params)
+  value_and_grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+  def step(carry, index):
+    sums, model_state = carry
+    microbatch = batching.take(batch_split, index)
+    (value, (new_state, aux)), grads = value_and_grad_fn(
+        params_for(index), model_state, microbatch, inputs,
+        _rng_for(inputs, index, lay)
+    )
+    model_state = axes.varying_like(new_state, model_state)
+    tokens = _token_count(opts.num_tokens_fn, microbatch)
+    c = token_weighting.contribution(tokens, opts.loss_reduction)
+    running, stacked = sums.aux, aux
+    if plan is not None:
+      running, stacked = aux_reduction_lib.update(
+          running, jax.tree.leaves(aux), plan.reductions, tokens)
+    sums = Sums(
+        grads=lay.add_grads(sums.grads, grads, c, rules),
+        loss=sums.loss + token_weighting.weighted(value, c, sums.loss.dtype),
+        tokens=sums.tokens + c.tokens,
+        aux=running,
+        stats=None if sums.stats is None else lay.add_stats(
+            sums.stats, grad_reduction_lib.only_means(grads, rules), c,
+            opts.loss_reduction, opts.num_tokens_fn, microbatch),
+    )
+    # The per-micro-batch losses only tell their dtype: XLA drops them.
+    return (sums, model_state), (value, stacked)
+
+  with jax.named_scope("optax_accum_microbatch_loop"):
+    (sums, model_state), (values, stacked) = _run_microbatches(
+        step, (_zero_sums(params, opts, plan, lay, rules),
+               inputs.model_state),
+        opts.num_microbatches, inputs.num_real,
+    )
+  sums = sums._replace(grads=lay.after_loop(sums.grads, rules))
+  return sums, LoopOut(model_state, values.dtype, stacked, plan, rules)
+
+
+def finish(sums: Sums, out: LoopOut, params,
+           lay: layout.Layout) -> stages.Result:
+  """The loss, gradient, aux and stats from the (device-reduced) sums.
+
+  ``lay.sq_norms`` gives the squared norm of each stats group of a reduced
+  gradient (summed over its shards, if sharded).
+  """
+  grads = grad_reduction_lib.finish(sums.grads, sums.tokens, params,
+                                    out.grad_rules)
+  stats = None
+  if sums.stats is not None:
+    # The norm of the mean in the accumulator's precision, not the params'.
+    exact = grad_reduction_lib.only_means(token_weighting.mean(
+        sums.grads, sums.tokens, sums.grads), out.grad_rules)
+    stats = noise_scale.estimate_from_groups(
+        sums.stats, lay.sq_norms(exact), sums.tokens)
+  loss = token_weighting.mean(
+      sums.loss, sums.tokens, jnp.zeros([], out.loss_dtype))
+  if out.plan is None:
+    aux = aux_reduction_lib.Parts(out.stacked, None)
+  else:
+    aux = aux_reduction_lib.finish(
+        sums.aux, out.stacked, out.plan.reductions, out.plan.shapes,
+        sums.tokens, out.plan.treedef)
+  return stages.Result(loss, grads, out.model_state, aux, stats)
+
+
+def _partials(sums: Sums, out: LoopOut) -> stages.Partials:
+  """The loop's sums, by how each is reduced over devices."""
+  running = sums.aux
+  maxima, minima = [], []
+  if running is not None:
+    maxima, minima = aux_reduction_lib.split_extrema(
+        running, out.plan.reductions)
+  return stages.Partials(
+      grads=sums.grads,
+      sums=(sums.loss, sums.tokens,
+            None if running is None else running.sums, sums.stats),
+      maxima=maxima, minima=minima, means=out.model_state, rest=out)
+
+
+def _finalize(partials: stages.Partials, params,
+              lay: layout.Layout) -> stages.Result:
+  """:func:`finish` on the (reduced) :class:`stages.Partials`."""
+  loss, tokens, aux_sums, stats = partials.sums
+  out = partials.rest._replace(model_state=partials.means)
+  running = None
+  if out.plan is not None:
+    running = aux_reduction_lib.join_extrema(
+        aux_sums, out.plan.reductions, partials.maxima, partials.minima)
+  sums = Sums(partials.grads, loss, tokens, running, stats)
+  return finish(sums, out, params, lay)
+
+
+def program(loss, opts: Options) -> stages.Program:
+  """The runner's :class:`stages.Program` of one ``value_and_grad``."""
+
+  def local(params, inputs, lay):
+    return _partials(*loop(loss, opts, params, inputs, lay))
+
+  return stages.Program(local=local, finalize=_finalize, aux_axis=1,
+                        new_aux_axis=False)
