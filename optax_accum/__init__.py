@@ -1,24 +1,22 @@
 """optax_accum: exact gradient accumulation for JAX and optax."""
 
-from optax_accum._src.accumulate.apply_updates import (
-    apply_if_updated as apply_if_updated,
-)
 from optax_accum._src.accumulate.partition_specs import (
     reduced_state as reduced_state,
 )
 from optax_accum._src.accumulate.partition_specs import (
     state_partition_specs as state_partition_specs,
 )
-from optax_accum._src.accumulate.state import (
+from optax_accum._src.accumulate.state import AccumulateState as AccumulateState
+from optax_accum._src.accumulate.state_access import (
+    apply_if_updated as apply_if_updated,
+)
+from optax_accum._src.accumulate.state_access import (
     find_accumulate_state as find_accumulate_state,
 )
-from optax_accum._src.accumulate.state import grad_stats as grad_stats
-from optax_accum._src.accumulate.state import has_updated as has_updated
-from optax_accum._src.accumulate.state import tokens_seen as tokens_seen
+from optax_accum._src.accumulate.state_access import grad_stats as grad_stats
+from optax_accum._src.accumulate.state_access import has_updated as has_updated
+from optax_accum._src.accumulate.state_access import tokens_seen as tokens_seen
 from optax_accum._src.accumulate.transform import accumulate as accumulate
-from optax_accum._src.accumulate.transform import (
-    AccumulateState as AccumulateState,
-)
 from optax_accum._src.mesh.axes import device_local as device_local
 from optax_accum._src.microbatch.coupled import (
     coupled_value_and_grad as coupled_value_and_grad,

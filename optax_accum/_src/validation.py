@@ -321,32 +321,6 @@ def check_device_local(name: str, tree: Any, axis_name: readers.AxisName) -> Non
       )
 
 
-def check_grads(grads: Any, grad_sum: Any,
-                axis_name: readers.AxisName | None, *,
-                check_local: bool = True) -> Any:
-  """Returns the incoming gradients as arrays, checked against the state.
-
-  Python scalars and NumPy arrays are accepted as optax accepts them. With
-  ``axis_name`` the sum carries a leading slot axis, the axis must be bound
-  here (inside shard_map or pmap), and the gradients must be device-local
-  (unless ``check_local`` is False: gradients that will not be looked at,
-  such as a flush's zeros).
-  """
-  if axis_name is not None:
-    axes.check_bound(axis_name)
-  slot = 0 if axis_name is None else 1
-  expected = jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct(jnp.shape(s)[slot:], s.dtype), grad_sum
-  )
-  check_same_structure(
-      "updates", grads, expected, "the params the state was built for"
-  )
-  grads = jax.tree.map(jnp.asarray, grads)
-  if axis_name is not None and check_local:
-    check_device_local("updates", grads, axis_name)
-  return grads
-
-
 def check_same_on_every_device(
     name: str, value: jax.Array, axis_name: readers.AxisName
 ) -> None:

@@ -1,10 +1,13 @@
 """One micro-step of :func:`optax_accum.accumulate`: what it adds, and why not.
 
-Every form of ``accumulate`` (:mod:`accumulate_forms`) adds a micro-step the
-same way: the drop decisions (``skip_nonfinite``, ``should_skip``), the
-token-weighted contribution, and the lazy-reset add to the running sum. The
-forms differ only in where the sum lives (one array, a device's slot, an
-unreduced array) and so in how the add is run.
+Every form of ``accumulate`` adds a micro-step the same way: the incoming
+gradients checked against the state (:func:`checked_grads`), the drop
+decisions (``skip_nonfinite``, ``should_skip``), the token-weighted
+contribution, and the lazy-reset add to the running sum. The forms differ
+only in where the sum lives (one array, a device's slot, an unreduced array:
+:mod:`sum_layout`, :mod:`manual_sums`, :mod:`typed_sums`, :mod:`slot_sums`)
+and so in how the add is run; the two deferred forms run theirs on each
+device's own partials with :func:`add_on_device`.
 """
 
 from collections.abc import Callable
@@ -16,6 +19,7 @@ import optax
 
 from optax_accum._src import validation
 from optax_accum._src.accumulate import emitting
+from optax_accum._src.mesh import manual
 from optax_accum._src.mesh import readers
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import noise_scale
@@ -41,6 +45,14 @@ class MicroStep(NamedTuple):
   cycle: emitting.Cycle
   nonfinite_count: jax.Array  # like state.nonfinite_count.
   skipped_count: jax.Array  # like state.skipped_count.
+
+
+class DeviceAdd(NamedTuple):
+  """What :func:`add_on_device` hands back, per device."""
+
+  sums: list[Any]  # the new running sums, one per leaf.
+  tokens: jax.Array  # shape=(), float32: the tokens counted (0 if dropped).
+  nonfinite: jax.Array  # shape=(), bool: dropped by skip_nonfinite.
 
 
 class Drops(NamedTuple):
@@ -159,12 +171,94 @@ _STATS_UNREDUCED = (
 )
 
 
+def add_on_device(grads: list[Any], sums: list[Any], tokens: jax.Array,
+                  skip: jax.Array, cycle_start: jax.Array,
+                  settings: UpdateSettings,
+                  over: readers.AxisName) -> DeviceAdd:
+  """Adds a device's partial gradients to its partial sums (the deferred
+  forms' add, inside :func:`manual.on_own_partials`).
+
+  ``tokens`` is the micro-step's global count (the same on every device);
+  the non-finite decision is global over the devices of ``over`` (one
+  scalar reduction), so that every device drops the same micro-step.
+  """
+  nonfinite = jnp.bool_(False)
+  if settings.skip_nonfinite:
+    bad = ~all_finite(grads) & (tokens != 0)
+    nonfinite = token_weighting.is_bad_count(tokens) | manual.any_device(
+        bad, over)
+  c = token_weighting.contribution(tokens, settings.loss_reduction,
+                                   drop=nonfinite | skip)
+  return DeviceAdd(add_to_sum(sums, grads, c, cycle_start, None), c.tokens,
+                   nonfinite)
+
+
+def checked_grads(updates: Any, grad_sum: Any, num_tokens: Any, *,
+                  slot_axis: bool = False,
+                  local_over: readers.AxisName | None = None) -> Any:
+  """The incoming gradients as floating arrays, checked against the state.
+
+  Python scalars and NumPy arrays are accepted as optax accepts them. Each
+  leaf must be shaped like its running sum (without the sum's leading slot
+  axis where ``slot_axis``). With ``local_over`` the gradients must be
+  device-local over those manual axes, unless the micro-step is known at
+  trace time to have no tokens (a flush, ``num_tokens=0``: its zeros are
+  never looked at).
+  """
+  start = 1 if slot_axis else 0
+  expected = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(jnp.shape(s)[start:], s.dtype), grad_sum)
+  validation.check_same_structure(
+      "updates", updates, expected, "the params the state was built for")
+  updates = jax.tree.map(jnp.asarray, updates)
+  if local_over is not None and not has_no_tokens(num_tokens):
+    validation.check_device_local("updates", updates, local_over)
+  return as_inexact(updates, grad_sum)
+
+
+def has_no_tokens(num_tokens: Any) -> bool:
+  """Whether the micro-step is known at trace time to have no tokens."""
+  return num_tokens is not None and not isinstance(
+      num_tokens, jax.core.Tracer) and float(num_tokens) == 0
+
+
+def sum_dtype(param: Any, accumulator_dtype: Any) -> Any:
+  """The running sum's dtype: complex parameters get a complex sum."""
+  if jnp.iscomplexobj(param):
+    return jnp.result_type(accumulator_dtype, jnp.complex64)
+  return accumulator_dtype
+
+
+def as_inexact(grads: Any, grad_sum: Any) -> Any:
+  """Gradients as floating (or complex) arrays, checked against the sum.
+
+  Integer and bool leaves (a Python ``0`` for an unused parameter) take the
+  sum's dtype, so that their mean is not rounded to an integer. A complex
+  gradient for a real sum would lose its imaginary part: refused.
+  """
+
+  def convert(path, g, s):
+    if jnp.iscomplexobj(g) and not jnp.iscomplexobj(s):
+      raise TypeError(
+          f"updates{jax.tree_util.keystr(path)} is complex ({g.dtype}) but"
+          f" the parameters it is for are real (the sum is {s.dtype}): its"
+          " imaginary part would be lost. Initialise with complex"
+          " parameters."
+      )
+    if jnp.issubdtype(g.dtype, jnp.inexact):
+      return g
+    return g.astype(s.dtype)
+
+  return jax.tree_util.tree_map_with_path(convert, grads, grad_sum)
+
+
 def check_partials_settings(updates, settings: UpdateSettings) -> None:
   """What unreduced gradients under jit cannot do, refused by name."""
   if settings.with_stats:
     raise ValueError(_STATS_UNREDUCED)
   leaf_rules = grad_reduction_lib.per_leaf(settings.grad_reduction, updates)
-  if leaf_rules is not None and any(r != "mean" for r in leaf_rules):
+  if leaf_rules is not None and any(
+      r != grad_reduction_lib.MEAN for r in leaf_rules):
     raise ValueError(
         f"grad_reduction={settings.grad_reduction!r} with unreduced"
         " gradients under jax.jit: a max over the devices' partial"

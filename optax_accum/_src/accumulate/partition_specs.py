@@ -7,8 +7,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src.accumulate import state as state_lib
-from optax_accum._src.accumulate import transform as accumulate_lib
-from optax_accum._src.accumulate import typed
+from optax_accum._src.accumulate import state_access
+from optax_accum._src.accumulate import typed_sums
 from optax_accum._src.mesh import readers
 
 
@@ -92,8 +92,8 @@ def state_partition_specs(
   """
   if axis_name is None:
     return _typed_specs(state)
-  is_state = lambda x: isinstance(x, accumulate_lib.AccumulateState)
-  grad_sum = state_lib.accumulate_states(state, "state")[0].grad_sum
+  is_state = lambda x: isinstance(x, state_lib.AccumulateState)
+  grad_sum = state_access.accumulate_states(state, "state")[0].grad_sum
   slot = axis_name
 
   def spec_tree_for(grad_sum):
@@ -143,7 +143,7 @@ def state_partition_specs(
         lambda spec, s: _slot_spec(spec, s, slot, param_specs is None),
         param_tree, node.grad_sum, is_leaf=lambda x: isinstance(x, P),
     )
-    for name in accumulate_lib.PER_DEVICE_COUNTS:
+    for name in state_lib.PER_DEVICE_COUNTS:
       fields[name] = jax.tree.map(
           lambda x: P(slot) if jnp.ndim(x) == 1 else P(), getattr(node, name)
       )
@@ -205,4 +205,4 @@ def reduced_state(state: Any) -> Any:
     >>> bool(jnp.all(saved.grad_sum['w'] == state.grad_sum['w']))
     True
   """
-  return jax.tree.map(typed.reduce_sum, state)
+  return jax.tree.map(typed_sums.reduce_sum, state)

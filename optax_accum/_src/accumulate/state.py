@@ -1,192 +1,160 @@
-"""Finding the accumulation state inside a larger optimizer state."""
+"""The state of :func:`optax_accum.accumulate`: its fields, start and step.
 
-import sys
-from typing import Any
+Every field is an array (or a NamedTuple of arrays), so that the state
+checkpoints, shards and crosses ``jax.jit`` as any optax state does.
+"""
+
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import optax
 
-from optax_accum._src.accumulate import transform as accumulate_lib
+from optax_accum._src import validation
+from optax_accum._src.accumulate import emitting
+from optax_accum._src.accumulate import manual_sums
+from optax_accum._src.accumulate import microstep
+from optax_accum._src.accumulate import slot_sums
 from optax_accum._src.rules import noise_scale
 
 
-def _is_state(node: Any) -> bool:
-  return isinstance(node, accumulate_lib.AccumulateState)
+class AccumulateState(NamedTuple):
+  """State of :func:`accumulate`: the running sums and the wrapped state.
 
+  With ``axis_name``, the fields marked *per device* hold each device's own
+  partial value behind a leading slot axis of one slot per device (see
+  :func:`optax_accum.state_partition_specs`); they are summed over the axis
+  once per cycle, when it emits.
 
-def _variable_type() -> type | None:
-  """Flax NNX's ``Variable`` class if flax is loaded, without importing it."""
-  variablelib = sys.modules.get("flax.nnx.variablelib")
-  return getattr(variablelib, "Variable", None)
-
-
-def _unwrap_variables(state: accumulate_lib.AccumulateState) -> Any:
-  """Replaces NNX ``Variable`` leaves by the arrays they hold.
-
-  ``nnx.Optimizer`` keeps its ``opt_state`` as a pytree whose array leaves are
-  wrapped in ``OptState`` variables; users of this module expect arrays.
+  Attributes:
+    micro_step: micro-steps taken in the current cycle; 0 right after an emit.
+    count: optimizer updates emitted so far (cycles that had tokens).
+    grad_sum: the current cycle's running sum of token-weighted gradients,
+      shaped like the parameters, in ``accumulator_dtype``; per device. The
+      reset is lazy: right after an emit (``micro_step == 0``) it still holds
+      the finished cycle's sum, which the next call discards instead of
+      adding to (see ``microstep.add_to_sum`` for why). A leaf that
+      ``grad_reduction`` reduces by "max" holds the running maximum (from
+      ``-inf``), one by "last" the last kept gradient.
+    token_count: the current cycle's running token count, float32; per
+      device.
+    inner_state: the state of the wrapped optimizer, advanced once per emit.
+    emitted: whether the call that produced this state emitted an update
+      (read it with :func:`optax_accum.has_updated`).
+    nonfinite_count: micro-steps dropped by ``skip_nonfinite`` (a non-finite
+      gradient, or a ``num_tokens`` that is NaN, infinite or negative) since
+      ``init``; per device. A micro-step with zero tokens is not dropped (it
+      adds nothing anyway): its NaN gradient, often a 0/0 mean, is not
+      counted.
+    skipped_count: micro-steps dropped by ``should_skip`` since ``init``; per
+      device. A micro-step that both rules drop is counted by both.
+    stats_sums: with ``with_stats``, the current cycle's running sums behind
+      the noise scale's estimate (float32 scalars; per device); else None.
+    stats: with ``with_stats``, the :class:`GradStats` of the last cycle that
+      emitted (read them with :func:`optax_accum.grad_stats`); else None.
+    tokens_seen: the tokens behind every update emitted since ``init``: the
+      sum of the token counts that the updates' means divided by, over every
+      device (read it with :func:`optax_accum.tokens_seen`); float32, the
+      same on every device.
+    tokens_seen_error: the rounding error of ``tokens_seen``'s running sum,
+      carried into the next addition (Kahan summation), so that the count
+      does not drift over billions of tokens; float32.
   """
-  variable_type = _variable_type()
-  if variable_type is None:
-    return state
-  is_variable = lambda x: isinstance(x, variable_type)
-  return jax.tree.map(
-      lambda x: x.get_value() if is_variable(x) else x,
-      state,
-      is_leaf=is_variable,
+
+  micro_step: jax.Array  # shape=(), dtype=jnp.int32.
+  count: jax.Array  # shape=(), dtype=jnp.int32.
+  grad_sum: optax.Updates  # like params, dtype=accumulator_dtype.
+  token_count: jax.Array  # shape=() or (slots,), dtype=jnp.float32.
+  inner_state: optax.OptState
+  emitted: jax.Array  # shape=(), dtype=jnp.bool_.
+  nonfinite_count: jax.Array  # shape=() or (slots,), dtype=jnp.int32.
+  skipped_count: jax.Array  # shape=() or (slots,), dtype=jnp.int32.
+  stats_sums: noise_scale.StatsSums | None  # float32 scalars or (slots,).
+  stats: noise_scale.GradStats | None  # float32 scalars.
+  tokens_seen: jax.Array  # shape=(), dtype=jnp.float32.
+  tokens_seen_error: jax.Array  # shape=(), dtype=jnp.float32.
+
+
+# The fields of AccumulateState that hold per-device scalars under axis_name.
+PER_DEVICE_COUNTS = (
+    "token_count", "nonfinite_count", "skipped_count", "stats_sums"
+)
+
+
+def _zero_where(flag, tree):
+  return jax.tree.map(lambda x: jnp.where(flag, jnp.zeros_like(x), x), tree)
+
+
+def _compensated_add(total, error, x):
+  """``total + x`` in float32, the rounding error kept (Kahan summation)."""
+  y = x - error
+  new_total = total + y
+  return new_total, (new_total - total) - y
+
+
+def next_state(state, micro_step, emit, step: microstep.MicroStep,
+                emitted: emitting.Emitted):
+  cycle = step.cycle
+  tokens_seen, tokens_seen_error = _compensated_add(
+      state.tokens_seen, state.tokens_seen_error, emitted.tokens)
+  return AccumulateState(
+      micro_step=_zero_where(emit, micro_step),
+      count=microstep.increment_where(emitted.updated, state.count),
+      grad_sum=cycle.grad_sum,  # reset lazily: see microstep.add_to_sum.
+      token_count=_zero_where(emit, cycle.token_count),
+      inner_state=emitted.inner_state,
+      emitted=emitted.updated,
+      nonfinite_count=step.nonfinite_count,
+      skipped_count=step.skipped_count,
+      stats_sums=_zero_where(emit, cycle.stats_sums),
+      stats=emitted.stats,
+      tokens_seen=tokens_seen,
+      tokens_seen_error=tokens_seen_error,
   )
 
 
-def accumulate_states(
-    tree: Any, name: str = "tree"
-) -> list[accumulate_lib.AccumulateState]:
-  """Every :class:`AccumulateState` inside ``tree``, in depth-first order.
+def init_state(inner_state, params, accumulator_dtype, axis_name,
+                with_stats) -> AccumulateState:
+  """The state before the first micro-step."""
 
-  ``name`` is the caller's argument, for the error.
+  def partial_zeros(shape, dtype):
+    # With an axis, the running sums are this device's partial sums; a
+    # leading slot axis lets shard_map lay them out one slot per device
+    # (scalars included), so that no device's partial sum can be dropped.
+    return manual_sums.slot_zeros(shape, dtype, axis_name)
 
-  Raises:
-    ValueError: if there is none.
-  """
-  if _is_state(tree):
-    return [tree]
-  found = [
-      node for node in jax.tree.leaves(tree, is_leaf=_is_state)
-      if _is_state(node)
-  ]
-  if not found:
-    raise ValueError(
-        f"{name} must contain an AccumulateState (the state of"
-        " optax_accum.accumulate or of a chain holding it), got a"
-        f" {type(tree).__name__} with none. Pass the state that tx.update"
-        " returned."
-    )
-  return found
+  def sum_zeros(param, accumulator_dtype):
+    dtype = microstep.sum_dtype(param, accumulator_dtype)
+    if axis_name is not None and manual_sums.slots_sharded_by_type(axis_name):
+      # Under a mesh with Explicit axes: slots sharded like the parameter,
+      # ready for unreduced gradients under jit (and for shard_map).
+      return slot_sums.slot_zeros(param, dtype, axis_name)
+    if axis_name is None:
+      # Shaped and sharded like the parameter (as optax's zeros_like): all
+      # that unreduced gradients under jit need too (typed_sums).
+      return jnp.zeros_like(param, dtype=dtype)
+    return partial_zeros(jnp.shape(param), dtype)
 
+  def count_zeros(dtype):
+    if axis_name is None:
+      return jnp.zeros([], dtype)
+    return partial_zeros((), dtype)
 
-def first_state(tree: Any, name: str) -> accumulate_lib.AccumulateState:
-  """The first :class:`AccumulateState` in ``tree`` (argument ``name``)."""
-  return _unwrap_variables(accumulate_states(tree, name)[0])
-
-
-def find_accumulate_state(tree: Any) -> accumulate_lib.AccumulateState:
-  """Returns the first :class:`AccumulateState` inside an optimizer state.
-
-  The state of :func:`optax_accum.accumulate` is often nested: inside an
-  ``optax.chain``, an ``optax.inject_hyperparams`` or a training framework's
-  optimizer wrapper. This finds it in any pytree, including the ``opt_state``
-  of a Flax ``nnx.Optimizer`` (or the optimizer itself), whose leaves are NNX
-  variables: those are unwrapped, so the fields are plain arrays.
-
-  Args:
-    tree: an optimizer state, or any pytree containing one.
-
-  Returns:
-    The first :class:`AccumulateState` found in depth-first order.
-
-  Raises:
-    ValueError: if ``tree`` contains none.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import optax_accum as oa
-    >>> tx = optax.chain(optax.scale(0.5), oa.accumulate(optax.sgd(0.1), 4))
-    >>> state = tx.init({'w': jnp.zeros(3)})
-    >>> oa.find_accumulate_state(state).micro_step
-    Array(0, dtype=int32)
-  """
-  return first_state(tree, "tree")
-
-
-def has_updated(state: Any) -> jax.Array:
-  """Whether the ``update`` call that produced ``state`` emitted an update.
-
-  Args:
-    state: an :class:`AccumulateState`, or an optimizer state containing one.
-
-  Returns:
-    A boolean scalar: true iff that call completed a cycle with tokens and
-    ran the inner optimizer.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import optax_accum as oa
-    >>> tx = oa.accumulate(optax.sgd(0.1), every_k=2, equal_weights=True)
-    >>> params = {'w': jnp.zeros(3)}
-    >>> state = tx.init(params)
-    >>> _, state = tx.update({'w': jnp.ones(3)}, state, params)
-    >>> oa.has_updated(state)
-    Array(False, dtype=bool)
-  """
-  return first_state(state, "state").emitted
-
-
-def grad_stats(state: Any) -> noise_scale.GradStats:
-  """The gradient noise statistics of the last cycle that emitted.
-
-  Args:
-    state: the state of :func:`optax_accum.accumulate` built with
-      ``with_stats=True``, or an optimizer state containing one.
-
-  Returns:
-    An :class:`optax_accum.GradStats`; NaN before the first emitting call.
-
-  Raises:
-    ValueError: if the state was built without ``with_stats=True``.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import optax_accum as oa
-    >>> tx = oa.accumulate(optax.sgd(0.1), every_k=2, with_stats=True)
-    >>> params = {'w': jnp.zeros(2)}
-    >>> state = tx.init(params)
-    >>> for g, n in (([3.0, 1.0], 2), ([1.0, -1.0], 2)):
-    ...   _, state = tx.update({'w': jnp.array(g)}, state, params, num_tokens=n)
-    >>> stats = oa.grad_stats(state)
-    >>> # mean [2, 0]: tr = (2*|g1|^2 + 2*|g2|^2 - 4*|mean|^2) / (2 - 1)
-    >>> stats.trace_cov, stats.grad_sq_norm  # (20 + 4 - 16) / 1, 4 - 8/4
-    (Array(8., dtype=float32), Array(2., dtype=float32))
-  """
-  found = first_state(state, "state")
-  if found.stats is None:
-    raise ValueError(
-        "state holds no gradient statistics: build the transformation with"
-        " optax_accum.accumulate(..., with_stats=True)."
-    )
-  return found.stats
-
-
-def tokens_seen(state: Any) -> jax.Array:
-  """The tokens behind every update emitted since ``init``.
-
-  The sum, over the updates :func:`optax_accum.accumulate` has emitted, of
-  the token counts their means divided by: the ``num_tokens`` of the kept
-  micro-steps, over every device with ``axis_name``. Micro-steps dropped by
-  ``skip_nonfinite`` or ``should_skip`` do not count, nor do those of the
-  current, unfinished cycle; with ``equal_weights=True`` (no
-  ``num_tokens``) each kept micro-step counts 1. It is part of the state, so
-  it is saved and restored with it: a schedule or a log stated in tokens
-  resumes where it stopped.
-
-  Args:
-    state: an :class:`AccumulateState`, or an optimizer state containing one.
-
-  Returns:
-    A float32 scalar, the same on every device. It is a compensated
-    (Kahan) sum: exact for integer counts up to about ``2**24`` tokens,
-    and within a float32 rounding of the total beyond.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import optax_accum as oa
-    >>> tx = oa.accumulate(optax.sgd(0.1), every_k=2)
-    >>> params = {'w': jnp.zeros(3)}
-    >>> state = tx.init(params)
-    >>> for n in (3, 4, 5):  # one update of 3 + 4 tokens, then a micro-step
-    ...   _, state = tx.update({'w': jnp.ones(3)}, state, params, num_tokens=n)
-    >>> oa.tokens_seen(state)
-    Array(7., dtype=float32)
-  """
-  return first_state(state, "state").tokens_seen
+  return AccumulateState(
+      micro_step=jnp.zeros([], jnp.int32),
+      count=jnp.zeros([], jnp.int32),
+      grad_sum=jax.tree.map(
+          sum_zeros, params,
+          validation.per_leaf_dtypes(accumulator_dtype, params)),
+      token_count=count_zeros(jnp.float32),
+      inner_state=inner_state,
+      emitted=jnp.zeros([], jnp.bool_),
+      nonfinite_count=count_zeros(jnp.int32),
+      skipped_count=count_zeros(jnp.int32),
+      stats_sums=noise_scale.StatsSums(
+          count_zeros(jnp.float32), count_zeros(jnp.float32)
+      ) if with_stats else None,
+      stats=noise_scale.nan_stats() if with_stats else None,
+      tokens_seen=jnp.zeros([], jnp.float32),
+      tokens_seen_error=jnp.zeros([], jnp.float32),
+  )

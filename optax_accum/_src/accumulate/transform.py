@@ -1,7 +1,7 @@
 """Gradient accumulation, an optax transformation: one micro-batch per call."""
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 from jax import lax
@@ -10,77 +10,16 @@ import optax
 
 from optax_accum._src import validation
 from optax_accum._src.accumulate import emitting
-from optax_accum._src.accumulate import incoming_grads
+from optax_accum._src.accumulate import manual_sums
 from optax_accum._src.accumulate import microstep
-from optax_accum._src.accumulate import partial_sums
-from optax_accum._src.accumulate import sum_layouts
-from optax_accum._src.accumulate import unreduced_sums
+from optax_accum._src.accumulate import slot_sums
+from optax_accum._src.accumulate import state as state_lib
+from optax_accum._src.accumulate import sum_layout
+from optax_accum._src.accumulate import typed_sums
+from optax_accum._src.mesh import axes
+from optax_accum._src.mesh import readers
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
-from optax_accum._src.rules import noise_scale
 from optax_accum._src.rules import token_weighting
-
-
-class AccumulateState(NamedTuple):
-  """State of :func:`accumulate`: the running sums and the wrapped state.
-
-  With ``axis_name``, the fields marked *per device* hold each device's own
-  partial value behind a leading slot axis of one slot per device (see
-  :func:`optax_accum.state_partition_specs`); they are summed over the axis
-  once per cycle, when it emits.
-
-  Attributes:
-    micro_step: micro-steps taken in the current cycle; 0 right after an emit.
-    count: optimizer updates emitted so far (cycles that had tokens).
-    grad_sum: the current cycle's running sum of token-weighted gradients,
-      shaped like the parameters, in ``accumulator_dtype``; per device. The
-      reset is lazy: right after an emit (``micro_step == 0``) it still holds
-      the finished cycle's sum, which the next call discards instead of
-      adding to (see ``_add_to_sum`` in this module for why). A leaf that
-      ``grad_reduction`` reduces by "max" holds the running maximum (from
-      ``-inf``), one by "last" the last kept gradient.
-    token_count: the current cycle's running token count, float32; per
-      device.
-    inner_state: the state of the wrapped optimizer, advanced once per emit.
-    emitted: whether the call that produced this state emitted an update
-      (read it with :func:`optax_accum.has_updated`).
-    nonfinite_count: micro-steps dropped by ``skip_nonfinite`` (a non-finite
-      gradient, or a ``num_tokens`` that is NaN, infinite or negative) since
-      ``init``; per device. A micro-step with zero tokens is not dropped (it
-      adds nothing anyway): its NaN gradient, often a 0/0 mean, is not
-      counted.
-    skipped_count: micro-steps dropped by ``should_skip`` since ``init``; per
-      device. A micro-step that both rules drop is counted by both.
-    stats_sums: with ``with_stats``, the current cycle's running sums behind
-      the noise scale's estimate (float32 scalars; per device); else None.
-    stats: with ``with_stats``, the :class:`GradStats` of the last cycle that
-      emitted (read them with :func:`optax_accum.grad_stats`); else None.
-    tokens_seen: the tokens behind every update emitted since ``init``: the
-      sum of the token counts that the updates' means divided by, over every
-      device (read it with :func:`optax_accum.tokens_seen`); float32, the
-      same on every device.
-    tokens_seen_error: the rounding error of ``tokens_seen``'s running sum,
-      carried into the next addition (Kahan summation), so that the count
-      does not drift over billions of tokens; float32.
-  """
-
-  micro_step: jax.Array  # shape=(), dtype=jnp.int32.
-  count: jax.Array  # shape=(), dtype=jnp.int32.
-  grad_sum: optax.Updates  # like params, dtype=accumulator_dtype.
-  token_count: jax.Array  # shape=() or (slots,), dtype=jnp.float32.
-  inner_state: optax.OptState
-  emitted: jax.Array  # shape=(), dtype=jnp.bool_.
-  nonfinite_count: jax.Array  # shape=() or (slots,), dtype=jnp.int32.
-  skipped_count: jax.Array  # shape=() or (slots,), dtype=jnp.int32.
-  stats_sums: noise_scale.StatsSums | None  # float32 scalars or (slots,).
-  stats: noise_scale.GradStats | None  # float32 scalars.
-  tokens_seen: jax.Array  # shape=(), dtype=jnp.float32.
-  tokens_seen_error: jax.Array  # shape=(), dtype=jnp.float32.
-
-
-# The fields of AccumulateState that hold per-device scalars under axis_name.
-PER_DEVICE_COUNTS = (
-    "token_count", "nonfinite_count", "skipped_count", "stats_sums"
-)
 
 
 def _cycle_length(
@@ -119,83 +58,17 @@ def _should_emit(emit, micro_step, length, layout):
   return emit | by_count
 
 
-def _zero_where(flag, tree):
-  return jax.tree.map(lambda x: jnp.where(flag, jnp.zeros_like(x), x), tree)
-
-
-def _compensated_add(total, error, x):
-  """``total + x`` in float32, the rounding error kept (Kahan summation)."""
-  y = x - error
-  new_total = total + y
-  return new_total, (new_total - total) - y
-
-
-def _next_state(state, micro_step, emit, step: microstep.MicroStep,
-                emitted: emitting.Emitted):
-  cycle = step.cycle
-  tokens_seen, tokens_seen_error = _compensated_add(
-      state.tokens_seen, state.tokens_seen_error, emitted.tokens)
-  return AccumulateState(
-      micro_step=_zero_where(emit, micro_step),
-      count=microstep.increment_where(emitted.updated, state.count),
-      grad_sum=cycle.grad_sum,  # reset lazily: see microstep.add_to_sum.
-      token_count=_zero_where(emit, cycle.token_count),
-      inner_state=emitted.inner_state,
-      emitted=emitted.updated,
-      nonfinite_count=step.nonfinite_count,
-      skipped_count=step.skipped_count,
-      stats_sums=_zero_where(emit, cycle.stats_sums),
-      stats=emitted.stats,
-      tokens_seen=tokens_seen,
-      tokens_seen_error=tokens_seen_error,
-  )
-
-
-def _init_state(inner_state, params, accumulator_dtype, axis_name,
-                with_stats) -> AccumulateState:
-  """The state before the first micro-step."""
-
-  def partial_zeros(shape, dtype):
-    # With an axis, the running sums are this device's partial sums; a
-    # leading slot axis lets shard_map lay them out one slot per device
-    # (scalars included), so that no device's partial sum can be dropped.
-    return partial_sums.partial_zeros(shape, dtype, axis_name)
-
-  def sum_zeros(param, accumulator_dtype):
-    dtype = incoming_grads.sum_dtype(param, accumulator_dtype)
-    if axis_name is not None and partial_sums.slots_sharded_by_type(axis_name):
-      # Under a mesh with Explicit axes: slots sharded like the parameter,
-      # ready for unreduced gradients under jit (and for shard_map).
-      return unreduced_sums.slot_zeros(param, dtype, axis_name)
-    if axis_name is None:
-      # Shaped and sharded like the parameter (as optax's zeros_like): all
-      # that unreduced gradients under jit need too (accumulate_forms).
-      return jnp.zeros_like(param, dtype=dtype)
-    return partial_zeros(jnp.shape(param), dtype)
-
-  def count_zeros(dtype):
-    if axis_name is None:
-      return jnp.zeros([], dtype)
-    return partial_zeros((), dtype)
-
-  return AccumulateState(
-      micro_step=jnp.zeros([], jnp.int32),
-      count=jnp.zeros([], jnp.int32),
-      grad_sum=jax.tree.map(
-          sum_zeros, params,
-          validation.per_leaf_dtypes(accumulator_dtype, params)),
-      token_count=count_zeros(jnp.float32),
-      inner_state=inner_state,
-      emitted=jnp.zeros([], jnp.bool_),
-      nonfinite_count=count_zeros(jnp.int32),
-      skipped_count=count_zeros(jnp.int32),
-      stats_sums=noise_scale.StatsSums(
-          count_zeros(jnp.float32), count_zeros(jnp.float32)
-      ) if with_stats else None,
-      stats=noise_scale.nan_stats() if with_stats else None,
-      tokens_seen=jnp.zeros([], jnp.float32),
-      tokens_seen_error=jnp.zeros([], jnp.float32),
-  )
+def detect(axis_name: readers.AxisName | None, updates: Any,
+           grad_sum: Any) -> sum_layout.SumLayout:
+  """The form of one ``update`` call (at trace time): where its sums live."""
+  if axis_name is None:
+    if typed_sums.is_typed(updates, grad_sum):
+      return typed_sums.TypedSums()
+    return sum_layout.SingleSums()
+  if axes.is_bound(axis_name):
+    return manual_sums.ManualSums(axis_name)
+  # axis_name under jit: init laid the state out in slots.
+  return slot_sums.SlotSums(axis_name)
 
 
 def accumulate(
@@ -363,7 +236,7 @@ def accumulate(
   def init_fn(params):
     validation.check_param_leaves(params)
     grad_reduction_lib.per_leaf(grad_reduction, params)  # fits the params?
-    return _init_state(inner.init(params), params, accumulator_dtype,
+    return state_lib.init_state(inner.init(params), params, accumulator_dtype,
                        axis_name, with_stats)
 
   def update_fn(updates, state, params=None, *, num_tokens=None, emit=None,
@@ -371,7 +244,7 @@ def accumulate(
     validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
     if extra_args and not takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
-    layout = sum_layouts.detect(axis_name, updates, state.grad_sum)
+    layout = detect(axis_name, updates, state.grad_sum)
     if num_tokens is None:
       tokens = missing_count.count()  # warned once the call is checked.
     else:
@@ -381,14 +254,20 @@ def accumulate(
     emit = _should_emit(
         emit, micro_step, _cycle_length(every_k, state.count), layout)
     emitter = emitting.emitter(
-        inner, layout, step.grads, state.inner_state, params, extra_args,
-        step.leaf_rules,
+        inner, layout.summed_like(step.grads), step.grads, state.inner_state,
+        params, extra_args, step.leaf_rules,
     )
+
+    def emit_branch(cycle, inner_state, stats):
+      with jax.named_scope("optax_accum_emit"):
+        return emitter.emit(layout.reduced(cycle, step.leaf_rules),
+                            inner_state, stats)
+
     emitted = lax.cond(
-        emit, emitter.emit, emitter.skip, step.cycle, state.inner_state,
+        emit, emit_branch, emitter.skip, step.cycle, state.inner_state,
         state.stats,
     )
-    new_state = _next_state(state, micro_step, emit, step, emitted)
+    new_state = state_lib.next_state(state, micro_step, emit, step, emitted)
     if num_tokens is None:
       missing_count.warn()
     return emitted.updates, new_state

@@ -162,3 +162,42 @@ def mesh_axis_size(axis_name: AxisName) -> int | None:
 def all_explicit(axis_name: AxisName) -> bool:
   """Whether every axis of ``axis_name`` is Explicit in the current mesh."""
   return are_explicit(jax.sharding.get_abstract_mesh(), axes_of(axis_name))
+
+
+def padded_entries(spec: P, ndim: int) -> list[Any]:
+  """``spec``'s entries, one per dimension of an ``ndim``-array."""
+  entries = list(partitions(spec))
+  return entries + [None] * (ndim - len(entries))
+
+
+def data_axes_in(spec: P, axis_name: AxisName) -> tuple[str, ...]:
+  """The data axes that shard a dimension of ``spec``, in mesh order."""
+  used = set(spec_names(spec))
+  return tuple(a for a in axes_of(axis_name) if a in used)
+
+
+def drop_axes(spec: P, names: tuple[str, ...], ndim: int) -> list[Any]:
+  """``spec``'s entries with the mesh axes ``names`` dropped."""
+  return [
+      None if e is None else entry(
+          tuple(n for n in axes_of(e) if n not in names))
+      for e in padded_entries(spec, ndim)
+  ]
+
+
+def merged_spec(type_spec: P, data_spec: P | None, axis_name: AxisName,
+                ndim: int) -> P:
+  """A parameter's spec: its type's, over data axes as ``data_spec`` says.
+
+  ``data_spec`` (``param_specs=``, restricted to the data axes) replaces the
+  type's entries over data axes; None keeps them.
+  """
+  if data_spec is None:
+    return P(*padded_entries(type_spec, ndim))
+  kept = drop_axes(type_spec, axes_of(axis_name), ndim)
+  given = padded_entries(data_spec, ndim)
+  return P(*[
+      entry(tuple(axes_of(g) if g is not None else ())
+                     + tuple(axes_of(k) if k is not None else ()))
+      for k, g in zip(kept, given)
+  ])

@@ -19,9 +19,11 @@ Both layouts with data axes read it: :mod:`manual_layout` and
 :mod:`typed_layout`.
 """
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src.mesh import readers
@@ -37,6 +39,34 @@ class Policy(NamedTuple):
 
   gradient_sync: str = ONCE  # "once", "every_microbatch" or "deferred".
   gather_params: str = ONCE  # "once" or "every_microbatch".
+
+  def gathers_in_loop(self, sharded: bool) -> bool:
+    """Whether a leaf (sharded over data axes or not) is gathered in the
+    loop, for each micro-batch."""
+    return sharded and self.gather_params == EVERY_MICROBATCH
+
+  def syncs_in_loop(self, sharded: bool) -> bool:
+    """Whether a leaf's gradient is reduce-scattered in the loop, for each
+    micro-batch, into a sum sharded like it."""
+    return sharded and self.gradient_sync == EVERY_MICROBATCH
+
+
+def gathered_in_loop(leaves: list[Any], in_loop: list[bool], index: Any,
+                     whole: Callable[[int, Any], Any]) -> list[Any]:
+  """Leaves gathered in the loop: ``whole(i, shard)`` for each ``in_loop``.
+
+  The shards first pass an optimization barrier with the micro-batch
+  ``index``, so that XLA cannot hoist their gathers out of the loop (which
+  would hold the whole parameters through it, the memory the policy saves).
+  """
+  shards = [i for i, flag in enumerate(in_loop) if flag]
+  if not shards:
+    return leaves
+  tied, _ = lax.optimization_barrier(([leaves[i] for i in shards], index))
+  leaves = list(leaves)
+  for i, shard in zip(shards, tied):
+    leaves[i] = whole(i, shard)
+  return leaves
 
 
 def policy(gradient_sync: Any, gather_params: Any) -> Policy:

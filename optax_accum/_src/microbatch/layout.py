@@ -1,8 +1,16 @@
-"""The layout of one call: the interface every stage uses, whatever the form.
+"""The layout of one call, and the tuples that pass between its stages.
+
+A call of an entry point runs its stages in order (the code map in
+:mod:`optax_accum._src`): *local*, the work on the loop's share of the batch
+(the micro-batch loop, or gradient caching's two passes), gives
+:class:`Partials`; *reduce*, the call's :class:`Layout`, sums them over the
+data axes once (the identity without one); *finalize* gives the means, aux
+and statistics as a :class:`Result`. An entry point hands the runner a
+:class:`Program`: its *local* and *finalize* stages.
 
 The runner (:mod:`runner`) decides a call's form once (:mod:`forms`; the
 forms are told in ``docs/distributed.md``) and builds one :class:`Layout`
-for it. The micro-batch loop (:mod:`microbatch_loop`) and gradient caching
+for it. The micro-batch loop (:mod:`loop`) and gradient caching
 (:mod:`coupled`) hold parameters, sum gradients and reduce through it alone,
 so that they read as the single-device algorithm. One implementation per
 form:
@@ -24,17 +32,60 @@ import jax.numpy as jnp
 
 from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import batching
-from optax_accum._src.microbatch import stages
+from optax_accum._src.rules import aux_reduction
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import noise_scale
 from optax_accum._src.rules import token_weighting
+
+
+class Partials(NamedTuple):
+  """One device's partial results, and how each part is reduced over devices.
+
+  Without a data axis the runner hands them to *finalize* as they are.
+  """
+
+  grads: Any  # the gradient sums, laid out as the layout holds them.
+  sums: Any  # summed over devices, with the gradient (loss, tokens, ...).
+  maxima: list[Any]  # maximum over devices.
+  minima: list[Any]  # minimum over devices.
+  means: Any  # floating leaves averaged over devices (model state).
+  rest: Any  # kept as they are: what *finalize* needs besides (per device).
+
+
+class Result(NamedTuple):
+  """What an entry point hands back, before it is packed for the caller."""
+
+  loss: jax.Array
+  grads: Any
+  model_state: Any
+  aux: aux_reduction.Parts
+  stats: noise_scale.GradStats | None  # None without with_stats.
+
+
+class Program(NamedTuple):
+  """An entry point's own stages, run by the runner in every form.
+
+  ``local(held, inputs, layout)`` runs on the loop's share of the batch
+  (``inputs.batch``); ``held`` is what ``layout.hold(params)`` keeps, and
+  ``layout`` (a :class:`Layout`) is how it sums and reduces.
+  ``finalize(partials, params, layout)`` turns the reduced partials into a
+  :class:`Result`.
+  """
+
+  local: Callable[..., Partials]
+  finalize: Callable[..., Result]
+  # Under a mesh, aux.stacked leaves are concatenated over devices along
+  # this axis (a leaf with too few axes gets a new one there, or always with
+  # new_aux_axis).
+  aux_axis: int
+  new_aux_axis: bool
 
 
 class Layout(Protocol):
   """How one call's stages hold parameters, sum gradients and reduce them.
 
   ``device_axis`` names the manual data axes whose device index is folded
-  into each micro-batch's key (:mod:`microbatch_rng`), or is None where the
+  into each micro-batch's key (:mod:`rng`), or is None where the
   loop sees the global batch. ``num_devices`` is how many devices' losses
   gradient caching averages (1 where ``loss_fn`` sees the global batch).
   """
@@ -77,7 +128,7 @@ class Layout(Protocol):
   def after_loop(self, total: Any, rules: list[str] | None) -> Any:
     """The loop's gradient sums made ready for :meth:`reduce`."""
 
-  def reduce(self, partials: stages.Partials) -> stages.Partials:
+  def reduce(self, partials: Partials) -> Partials:
     """The one reduction over the data axes (the identity without one)."""
 
   def gather_rows(self, reps: Any, batch: Any) -> tuple[Any, Any]:

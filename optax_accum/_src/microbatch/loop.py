@@ -2,7 +2,7 @@
 
 :func:`program` gives the runner (:mod:`runner`) this module's stages: *local*
 runs :func:`loop` on the loop's batch (one device's, or the global one) and
-hands its sums over as :class:`stages.Partials`; *finalize* turns the
+hands its sums over as :class:`layout.Partials`; *finalize* turns the
 reduced sums into the means (:func:`finish`). The sums follow the
 token-weighting rule of ``token_weighting``; aux is stacked or reduced in the
 carry (``aux_reduction``); the noise-scale sums ride along with
@@ -25,7 +25,6 @@ from optax_accum._src.microbatch import batching
 from optax_accum._src.microbatch import layout
 from optax_accum._src.microbatch import loss_signature
 from optax_accum._src.microbatch import rng as rng_lib
-from optax_accum._src.microbatch import stages
 from optax_accum._src.rules import aux_reduction as aux_reduction_lib
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import noise_scale
@@ -225,7 +224,7 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
 
 
 def finish(sums: Sums, out: LoopOut, params,
-           lay: layout.Layout) -> stages.Result:
+           lay: layout.Layout) -> layout.Result:
   """The loss, gradient, aux and stats from the (device-reduced) sums.
 
   ``lay.sq_norms`` gives the squared norm of each stats group of a reduced
@@ -248,26 +247,26 @@ def finish(sums: Sums, out: LoopOut, params,
     aux = aux_reduction_lib.finish(
         sums.aux, out.stacked, out.plan.reductions, out.plan.shapes,
         sums.tokens, out.plan.treedef)
-  return stages.Result(loss, grads, out.model_state, aux, stats)
+  return layout.Result(loss, grads, out.model_state, aux, stats)
 
 
-def _partials(sums: Sums, out: LoopOut) -> stages.Partials:
+def _partials(sums: Sums, out: LoopOut) -> layout.Partials:
   """The loop's sums, by how each is reduced over devices."""
   running = sums.aux
   maxima, minima = [], []
   if running is not None:
     maxima, minima = aux_reduction_lib.split_extrema(
         running, out.plan.reductions)
-  return stages.Partials(
+  return layout.Partials(
       grads=sums.grads,
       sums=(sums.loss, sums.tokens,
             None if running is None else running.sums, sums.stats),
       maxima=maxima, minima=minima, means=out.model_state, rest=out)
 
 
-def _finalize(partials: stages.Partials, params,
-              lay: layout.Layout) -> stages.Result:
-  """:func:`finish` on the (reduced) :class:`stages.Partials`."""
+def _finalize(partials: layout.Partials, params,
+              lay: layout.Layout) -> layout.Result:
+  """:func:`finish` on the (reduced) :class:`layout.Partials`."""
   loss, tokens, aux_sums, stats = partials.sums
   out = partials.rest._replace(model_state=partials.means)
   running = None
@@ -278,11 +277,11 @@ def _finalize(partials: stages.Partials, params,
   return finish(sums, out, params, lay)
 
 
-def program(loss, opts: Options) -> stages.Program:
-  """The runner's :class:`stages.Program` of one ``value_and_grad``."""
+def program(loss, opts: Options) -> layout.Program:
+  """The runner's :class:`layout.Program` of one ``value_and_grad``."""
 
   def local(params, inputs, lay):
     return _partials(*loop(loss, opts, params, inputs, lay))
 
-  return stages.Program(local=local, finalize=_finalize, aux_axis=1,
+  return layout.Program(local=local, finalize=_finalize, aux_axis=1,
                         new_aux_axis=False)

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from optax_accum._src.accumulate import partial_sums
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import collectives
 from optax_accum._src.mesh import compat
+from optax_accum._src.mesh import manual
 from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import batching
 from optax_accum._src.microbatch import fsdp
@@ -90,12 +90,10 @@ class ManualLayout(NamedTuple):
     return math.prod(lax.axis_size(a) for a in readers.axes_of(self.axis_name))
 
   def _gathers_in_loop(self, spec: P) -> bool:
-    return (_is_sharded(spec)
-            and self.policy.gather_params == fsdp.EVERY_MICROBATCH)
+    return self.policy.gathers_in_loop(_is_sharded(spec))
 
   def _syncs_in_loop(self, spec: P) -> bool:
-    return (_is_sharded(spec)
-            and self.policy.gradient_sync == fsdp.EVERY_MICROBATCH)
+    return self.policy.syncs_in_loop(_is_sharded(spec))
 
   def _whole(self, shard: Any, spec: P) -> Any:
     """The device-local whole parameter from this device's shard."""
@@ -120,13 +118,9 @@ class ManualLayout(NamedTuple):
     XLA does not hoist them out of the loop."""
     leaves, treedef = jax.tree.flatten(held)
     specs = treedef.flatten_up_to(self.specs)
-    shards = [i for i, s in enumerate(specs) if self._gathers_in_loop(s)]
-    if not shards:
-      return held
-    tied, _ = lax.optimization_barrier(([leaves[i] for i in shards], index))
-    for i, shard in zip(shards, tied):
-      leaves[i] = self._whole(shard, specs[i])
-    return treedef.unflatten(leaves)
+    return treedef.unflatten(fsdp.gathered_in_loop(
+        leaves, [self._gathers_in_loop(s) for s in specs], index,
+        lambda i, shard: self._whole(shard, specs[i])))
 
   def zero_grads(self, held, dtypes):
     """Shaped like the shards under ``gradient_sync="every_microbatch"``,
@@ -200,7 +194,7 @@ class ManualLayout(NamedTuple):
       minima = lax.pmin(partials.minima, self.axis_name)
     means = partials.means
     if means is not None:
-      means = partial_sums.model_state_over(means, self.axis_name)
+      means = model_state_over(means, self.axis_name)
     return partials._replace(grads=grads, sums=sums, maxima=maxima,
                              minima=minima, means=means)
 
@@ -258,7 +252,7 @@ class ManualLayout(NamedTuple):
     return self.device_local(tree)
 
 
-def build(params: Any, param_specs: Any, axis_name: readers.AxisName,
+def build_manual(params: Any, param_specs: Any, axis_name: readers.AxisName,
           policy: fsdp.Policy, leaf_axes: list[int | None]) -> ManualLayout:
   """The :class:`ManualLayout` of ``params`` (this device's: shards where
   ``param_specs`` says so, replicated without it).
@@ -305,3 +299,31 @@ def noting_shards(param_specs: Any, params: Any,
         " naming the axis: FSDP), pass param_specs= with the same specs as"
         " the shard_map's in_specs, so that they are gathered whole.")
     raise
+
+
+def _first_device(x: Any, axis_name: readers.AxisName) -> Any:
+  """The first device's ``x``, on every device (a key, an int, a bool)."""
+  is_key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+  data = jax.random.key_data(x) if is_key else x
+  is_bool = data.dtype == jnp.bool_
+  if is_bool:
+    data = data.astype(jnp.int32)
+  data = lax.psum(manual.on_first_device(data, axis_name), axis_name)
+  if is_bool:
+    data = data.astype(jnp.bool_)
+  if is_key:
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+  return data
+
+
+def model_state_over(tree: Any, axis_name: readers.AxisName) -> Any:
+  """The model state after a data-parallel loop, the same on every device.
+
+  Floating leaves (BatchNorm statistics) are averaged over the axis; the
+  others (PRNG keys, counters), which no average suits, are the first
+  device's.
+  """
+  return jax.tree.map(
+      lambda x: lax.pmean(x, axis_name) if axes.is_floating(x)
+      else _first_device(x, axis_name), tree
+  )

@@ -31,8 +31,7 @@ from optax_accum._src.microbatch import fsdp
 from optax_accum._src.microbatch import layout
 from optax_accum._src.microbatch import loss_signature
 from optax_accum._src.microbatch import manual_layout
-from optax_accum._src.microbatch import stages
-from optax_accum._src.microbatch import typed_build
+from optax_accum._src.microbatch import typed_layout
 from optax_accum._src.rules import aux_reduction
 
 
@@ -47,15 +46,15 @@ class Settings(NamedTuple):
   grad_reduction: Any = None  # None (all "mean") or a prefix of params.
 
 
-def run(program: stages.Program, settings: Settings, params: Any,
-        inputs: loss_signature.Inputs) -> stages.Result:
+def run(program: layout.Program, settings: Settings, params: Any,
+        inputs: loss_signature.Inputs) -> layout.Result:
   """Runs ``program`` on ``params`` and ``inputs`` in the form of the call."""
   form = forms.detect(settings.axis_name, params, inputs.batch,
                       batching.leaf_axes(inputs.batch, settings.batch_axes))
   with forms.entered(form):
     _check(form, settings, inputs)
     if form.kind == forms.TYPED:
-      lay, partials = typed_build.build(
+      lay, partials = typed_layout.build_typed(
           lambda lay: _local(program, lay, params, inputs), params,
           settings.param_specs, settings.grad_reduction, settings.policy,
           form.axis_name, form.leaf_axes, settings.num_microbatches)
@@ -65,7 +64,7 @@ def run(program: stages.Program, settings: Settings, params: Any,
     if form.kind == forms.MANUAL:
       with manual_layout.noting_shards(settings.param_specs, params,
                                        form.axis_name):
-        return on_device(program, manual_layout.build(
+        return on_device(program, manual_layout.build_manual(
             params, settings.param_specs, form.axis_name, settings.policy,
             form.leaf_axes), params, inputs)
     return on_device(program, layout.SingleLayout(form.leaf_axes), params,
@@ -121,8 +120,8 @@ def _no_data_parallelism(axis_name: readers.AxisName | None, batch: Any,
   return bool(named) and all(dict(mesh.shape)[n] == 1 for n in named)
 
 
-def _local(program: stages.Program, lay: layout.Layout, params: Any,
-           inputs: loss_signature.Inputs) -> stages.Partials:
+def _local(program: layout.Program, lay: layout.Layout, params: Any,
+           inputs: loss_signature.Inputs) -> layout.Partials:
   """*hold* and *local*: the program's partials under ``lay``."""
   return program.local(lay.hold(params), inputs, lay)
 
@@ -143,8 +142,8 @@ def _refuse_varying_batch(batch: Any) -> None:
     )
 
 
-def on_device(program: stages.Program, lay: layout.Layout, params: Any,
-              inputs: loss_signature.Inputs) -> stages.Result:
+def on_device(program: layout.Program, lay: layout.Layout, params: Any,
+              inputs: loss_signature.Inputs) -> layout.Result:
   """Hold, local, reduce and finalize under ``lay``.
 
   Under manual axes ``params`` are this device's (shards laid out by the
@@ -172,7 +171,7 @@ def _param_specs(params: Any, param_specs: Any,
   return jax.tree.map(lambda p: readers.spec_over(p, axis_name), params)
 
 
-def _stack_over_devices(program: stages.Program, stacked: Any) -> Any:
+def _stack_over_devices(program: layout.Program, stacked: Any) -> Any:
   """Gives each stacked aux leaf the axis that concatenates devices."""
   where = program.aux_axis
 
@@ -198,8 +197,8 @@ def _manual_axes_note(axis_name: readers.AxisName) -> str:
   )
 
 
-def over_mesh(program: stages.Program, settings: Settings, form: forms.Form,
-              params: Any, inputs: loss_signature.Inputs) -> stages.Result:
+def over_mesh(program: layout.Program, settings: Settings, form: forms.Form,
+              params: Any, inputs: loss_signature.Inputs) -> layout.Result:
   """:func:`on_device` in a shard_map over the (Auto) data axes of the mesh.
 
   Every device splits its own shard of the batch into micro-batches;
@@ -224,7 +223,7 @@ def over_mesh(program: stages.Program, settings: Settings, form: forms.Form,
     it = iter(arrays)
     replicated = treedef.unflatten(
         [next(it) if a else x for x, a in zip(flat, is_array)])
-    lay = manual_layout.build(params, param_specs, axis_name,
+    lay = manual_layout.build_manual(params, param_specs, axis_name,
                               settings.policy, form.leaf_axes)
     try:
       result = on_device(program, lay, params,
@@ -237,7 +236,7 @@ def over_mesh(program: stages.Program, settings: Settings, form: forms.Form,
     return result._replace(aux=aux)
 
   stacked_spec = P(*([None] * program.aux_axis), axis_name)
-  out_specs = stages.Result(
+  out_specs = layout.Result(
       loss=P(), grads=param_specs, model_state=P(),
       aux=aux_reduction.Parts(stacked_spec, P()), stats=P())
   sharded = manual.shard_map(

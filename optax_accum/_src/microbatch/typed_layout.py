@@ -22,94 +22,48 @@ parameter sharded over data axes). Per parameter leaf:
   each micro-batch's whole value). JAX reduces their gradient inside the
   loop, for each micro-batch; their sum is an ordinary replicated array.
 
-:mod:`typed_build` decides which leaves are reduced. The weighted add runs
-on each device's own partials (:func:`collectives.add_to_partials`).
+Which leaves are reduced is decided by :func:`build_typed`: it traces the
+call's *local* stage with every candidate reduced, once, into a jaxpr whose
+casts :func:`reduced_fallbacks.check_casts` checks, then evaluates it in
+place (re-binding its equations, without running ``loss_fn``'s Python
+again), so that a model without fallback leaves costs one trace of
+``loss_fn``. If that trace fails, :func:`reduced_fallbacks.find` finds the
+leaves that JAX cannot type reduced, which stay replicated. The weighted add
+runs on each device's own partials (:func:`collectives.add_to_partials`);
+the noise-scale sums of each device's rows are :mod:`typed_noise`'s.
 """
 
+from collections.abc import Callable
+import time
 from typing import Any, NamedTuple
 
 import jax
-from jax import lax
+import jax.extend
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import collectives
 from optax_accum._src.mesh import compat
-from optax_accum._src.mesh import manual
 from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import batching
 from optax_accum._src.microbatch import fsdp
+from optax_accum._src.microbatch import layout
+from optax_accum._src.microbatch import reduced_fallbacks
+from optax_accum._src.microbatch import typed_noise
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import noise_scale
 from optax_accum._src.rules import token_weighting
-
-
-def _entries(spec: P, ndim: int) -> list[Any]:
-  entries = list(readers.partitions(spec))
-  return entries + [None] * (ndim - len(entries))
-
-
-def data_axes_in(spec: P, axis_name: readers.AxisName) -> tuple[str, ...]:
-  """The data axes that shard a dimension of ``spec``, in mesh order."""
-  used = {n for e in readers.partitions(spec) if e is not None
-          for n in readers.axes_of(e)}
-  return tuple(a for a in readers.axes_of(axis_name) if a in used)
-
-
-def _drop(spec: P, names: tuple[str, ...], ndim: int) -> list[Any]:
-  """``spec``'s entries with the mesh axes ``names`` dropped."""
-  return [
-      None if e is None else readers.entry(
-          tuple(n for n in readers.axes_of(e) if n not in names))
-      for e in _entries(spec, ndim)
-  ]
-
-
-def merged_spec(type_spec: P, data_spec: P | None, axis_name: readers.AxisName,
-                ndim: int) -> P:
-  """A parameter's spec: its type's, over data axes as ``data_spec`` says.
-
-  ``data_spec`` (``param_specs=``, restricted to the data axes) replaces the
-  type's entries over data axes; None keeps them.
-  """
-  if data_spec is None:
-    return P(*_entries(type_spec, ndim))
-  kept = _drop(type_spec, readers.axes_of(axis_name), ndim)
-  given = _entries(data_spec, ndim)
-  return P(*[
-      readers.entry(tuple(readers.axes_of(g) if g is not None else ())
-                     + tuple(readers.axes_of(k) if k is not None else ()))
-      for k, g in zip(kept, given)
-  ])
 
 
 def _laid_out(x: Any, axis: int | None, axis_name: readers.AxisName) -> Any:
   """A batch leaf sharded over the data axes along ``axis`` (free)."""
   if axis is None:
     return x
-  entries = _entries(readers.full_spec(x), jnp.ndim(x))
+  entries = readers.padded_entries(readers.full_spec(x), jnp.ndim(x))
   if entries[axis] is not None:
     return x  # forms.detect checked that these are the data axes.
   entries[axis] = axis_name
   return jax.sharding.reshard(x, P(*entries))
-
-
-def _sq_norm_of_blocks(blocks: list[Any], specs: list[P],
-                       data: frozenset[str]) -> jax.Array:
-  """Inside a shard_map over every mesh axis: this device's share of the
-  squared norm of its partials (its blocks of each leaf, counted once over
-  the model axes that do not shard the leaf)."""
-  total = jnp.zeros([], jnp.float32)
-  for block, spec in zip(blocks, specs):
-    sharded = {n for e in readers.partitions(spec) if e is not None
-               for n in readers.axes_of(e)}
-    copies = 1
-    for name in jax.sharding.get_abstract_mesh().axis_names:
-      if name not in sharded and name not in data:
-        copies *= lax.axis_size(name)
-    total += jnp.sum(jnp.square(block.astype(jnp.float32))) / copies
-  return total
 
 
 class TypedLayout(NamedTuple):
@@ -132,28 +86,26 @@ class TypedLayout(NamedTuple):
 
   def _whole_spec(self, i: int, ndim: int, *, reduced: bool) -> P:
     """Leaf ``i`` held whole over the data axes (its model axes kept)."""
-    entries = _drop(self.targets[i], readers.axes_of(self.axis_name), ndim)
+    entries = readers.drop_axes(self.targets[i], readers.axes_of(self.axis_name), ndim)
     return P(*entries, reduced=self._data() if reduced else frozenset())
 
   def _sharded(self, i: int) -> bool:
-    return bool(data_axes_in(self.targets[i], self.axis_name))
+    return bool(readers.data_axes_in(self.targets[i], self.axis_name))
 
   def _gathers_in_loop(self, i: int) -> bool:
-    return (self.reduced[i] and self._sharded(i)
-            and self.policy.gather_params == fsdp.EVERY_MICROBATCH)
+    return self.policy.gathers_in_loop(self.reduced[i] and self._sharded(i))
 
   def _syncs_in_loop(self, i: int) -> bool:
-    return (self.reduced[i] and self._sharded(i)
-            and self.policy.gradient_sync == fsdp.EVERY_MICROBATCH)
+    return self.policy.syncs_in_loop(self.reduced[i] and self._sharded(i))
 
   def _unreduced_over_rest(self, i: int) -> P:
     """Sharded like the parameter, unreduced over the other data axes."""
-    rest = self._data() - set(data_axes_in(self.targets[i], self.axis_name))
+    rest = self._data() - set(readers.data_axes_in(self.targets[i], self.axis_name))
     return P(*readers.partitions(self.targets[i]), unreduced=rest)
 
   def _whole_partial(self, i: int, ndim: int) -> P:
     """A whole gradient's type: unreduced over every data axis."""
-    entries = _drop(self.targets[i], readers.axes_of(self.axis_name), ndim)
+    entries = readers.drop_axes(self.targets[i], readers.axes_of(self.axis_name), ndim)
     return P(*entries, unreduced=self._data())
 
   def _sum_spec(self, i: int, ndim: int) -> P:
@@ -198,14 +150,10 @@ class TypedLayout(NamedTuple):
     """Shards gathered in the loop pass an optimization barrier with
     ``index``, so that XLA does not hoist their gathers."""
     leaves = self._leaves(held)
-    shards = [i for i in range(len(leaves)) if self._gathers_in_loop(i)]
-    if not shards:
-      return held
-    tied, _ = lax.optimization_barrier(([leaves[i] for i in shards], index))
-    for i, shard in zip(shards, tied):
-      leaves[i] = jax.sharding.reshard(
-          shard, self._whole_spec(i, jnp.ndim(shard), reduced=True))
-    return self.treedef.unflatten(leaves)
+    return self.treedef.unflatten(fsdp.gathered_in_loop(
+        leaves, [self._gathers_in_loop(i) for i in range(len(leaves))], index,
+        lambda i, shard: jax.sharding.reshard(
+            shard, self._whole_spec(i, jnp.ndim(shard), reduced=True))))
 
   def zero_grads(self, held, dtypes):
     leaves = self._leaves(held)
@@ -277,70 +225,13 @@ class TypedLayout(NamedTuple):
     out = []
     for group, sums in zip(self._groups(), stats):
       if self.reduced[group[0]]:
-        out.append(self._add_device_rows(
+        out.append(typed_noise.add_device_rows(
             sums, [self._as_partial(leaves[i], i) for i in group], c,
-            loss_reduction, count_tokens, microbatch))
+            loss_reduction, count_tokens, microbatch, self.axis_name))
       else:
         out.append(noise_scale.add(sums, [leaves[i] for i in group], c,
                                    loss_reduction))
     return out
-
-  def _device_tokens(self, count_tokens, microbatch, tokens) -> jax.Array:
-    """Each device's share of the micro-batch's tokens, one per device
-    (sharded over the data axes): ``count_tokens`` of its rows, scaled so
-    that they add up to ``tokens`` (the same for an additive count, such
-    as a mask's sum; an equal share for a constant one)."""
-    data = readers.axes_of(self.axis_name)
-    specs = jax.tree.map(
-        lambda x: readers.restrict(readers.full_spec(x), self.axis_name),
-        microbatch)
-
-    def count(mb):
-      n = jnp.asarray(count_tokens(mb), jnp.float32).reshape(1)
-      return axes.device_local(n, self.axis_name)
-
-    counts = manual.shard_map(count, in_specs=(specs,),
-                           out_specs=P(readers.entry(data)),
-                           axis_names=set(data))(microbatch)
-    total = jnp.sum(counts)
-    return counts * jnp.where(total > 0, tokens / jnp.where(
-        total > 0, total, 1.0), 0.0)
-
-  def _add_device_rows(self, sums, partials, c, loss_reduction,
-                       count_tokens, microbatch):
-    """``sum_d n_d |g_d|^2`` over the devices ``d`` with tokens, ``g_d``
-    the per-token mean gradient of device ``d``'s rows: its partial ``p_d``
-    is ``(n_d / n) g_d`` (``"mean"``) or ``n_d g_d`` (``"sum"``)."""
-    shares = self._device_tokens(count_tokens, microbatch, c.tokens)
-    data = self._data()
-    specs = [readers.full_spec(p) for p in partials]
-    names = tuple(jax.sharding.get_abstract_mesh().axis_names)
-
-    def local(partials, share, c):
-      n_d = share[0]
-      has = c.keep & (n_d > 0)
-      safe = jnp.where(has, n_d, 1.0)
-      sq = _sq_norm_of_blocks(partials, specs, data)
-      if loss_reduction == "mean":
-        n = jnp.where(has, c.tokens, 0.0)
-        term = n * n / safe * sq
-      else:
-        term = sq / safe
-      term = jnp.where(has, term, 0.0)
-      # Each device of the data axes counts its rows once: its copies over
-      # the model axes count 1 / copies each.
-      copies = 1
-      for name in names:
-        if name not in data:
-          copies *= lax.axis_size(name)
-      return lax.psum((term, has.astype(jnp.float32) / copies), names)
-
-    term, counted = manual.shard_map(
-        local, in_specs=(specs, readers.full_spec(shares), P()),
-        out_specs=P(), axis_names=set(names), check_vma=False,
-    )(partials, shares, c)
-    return noise_scale.StatsSums(sums.weighted_sq_norms + term,
-                                 sums.num_microbatches + counted)
 
   def sq_norms(self, tree):
     leaves = self._leaves(tree)
@@ -381,7 +272,7 @@ class TypedLayout(NamedTuple):
     batch) on every device, as under shard_map."""
     names = readers.axes_of(self.axis_name)
     return jax.tree.map(lambda x: jax.sharding.reshard(
-        x, P(*_drop(readers.full_spec(x), names, jnp.ndim(x)))),
+        x, P(*readers.drop_axes(readers.full_spec(x), names, jnp.ndim(x)))),
         (reps, batch))
 
   def scatter_rows(self, cotangents, like):
@@ -405,3 +296,94 @@ class TypedLayout(NamedTuple):
         for i, g in enumerate(self._leaves(tree))
     ])
 
+
+# Building the layout: which leaves are typed reduced.
+
+
+def _targets(params: Any, param_specs: Any,
+             axis_name: readers.AxisName) -> list[P]:
+  """Each parameter leaf's spec: its type's, over data axes ``param_specs``'."""
+  leaves = jax.tree.leaves(params)
+  if param_specs is None:
+    data_specs = [None] * len(leaves)
+  else:
+    data_specs = jax.tree.leaves(
+        fsdp.specs_like(params, param_specs, axis_name),
+        is_leaf=lambda x: isinstance(x, P))
+  return [
+      readers.merged_spec(readers.full_spec(p), d, axis_name, jnp.ndim(p))
+      for p, d in zip(leaves, data_specs)
+  ]
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, jax.core.Tracer))
+
+
+def _traced_once(local: Callable[[], layout.Partials]) -> layout.Partials:
+  """``local()``, traced into a jaxpr, its casts checked, then evaluated.
+
+  Raises as the trace does, or :class:`reduced_fallbacks.UnsafeCast`.
+  """
+  static = {}
+
+  def arrays():
+    leaves, static["treedef"] = jax.tree.flatten(local())
+    static["leaves"] = leaves
+    return [x for x in leaves if _is_array(x)]
+
+  closed = jax.make_jaxpr(arrays)()
+  reduced_fallbacks.check_casts(closed.jaxpr)
+  values = iter(jax.extend.core.jaxpr_as_fun(closed)())
+  return static["treedef"].unflatten([
+      next(values) if _is_array(x) else x for x in static["leaves"]])
+
+
+# What JAX raises when it refuses a reduced operand, or has no rule for one;
+# reduced_fallbacks.UnsafeCast is a TypeError.
+_REFUSALS = (compat.sharding_type_error(), TypeError, ValueError,
+             NotImplementedError)
+
+
+def build_typed(
+    local: Callable[[TypedLayout], layout.Partials],
+    params: Any, param_specs: Any, grad_reduction: Any, policy: fsdp.Policy,
+    axis_name: readers.AxisName, leaf_axes: list[int | None],
+    num_microbatches: int = 1,
+) -> tuple[TypedLayout, layout.Partials]:
+  """The typed layout of ``params`` and ``local`` traced under it.
+
+  ``local(layout)`` runs the call's *local* stage under a layout.
+  """
+  rules = grad_reduction_lib.per_leaf(grad_reduction, params)
+  leaves, treedef = jax.tree.flatten(params)
+  means = [rules is None or r == grad_reduction_lib.MEAN
+           for r in (rules or [None] * len(leaves))]
+  targets = _targets(params, param_specs, axis_name)
+  candidates = [i for i, p in enumerate(leaves)
+                if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
+                and means[i]]
+
+  def layout_for(reduced: frozenset[int]) -> TypedLayout:
+    return TypedLayout(
+        axis_name, treedef, targets,
+        [i in reduced for i in range(len(targets))], means, policy,
+        leaf_axes)
+
+  def attempt(reduced: frozenset[int]) -> layout.Partials:
+    return local(layout_for(reduced))
+
+  fallback, seconds = [], 0.0
+  try:
+    partials = _traced_once(lambda: attempt(frozenset(candidates)))
+  except _REFUSALS:  # find says which leaves, or re-raises.
+    started = time.perf_counter()
+    fallback = reduced_fallbacks.find(attempt, candidates)
+    seconds = time.perf_counter() - started
+    partials = attempt(frozenset(c for c in candidates if c not in fallback))
+  reduced_fallbacks.publish(reduced_fallbacks.report(
+      params, fallback, readers.axes_of(axis_name), seconds,
+      num_microbatches=num_microbatches,
+      deferred=policy.gradient_sync == fsdp.DEFERRED))
+  return layout_for(frozenset(c for c in candidates if c not in fallback)), (
+      partials)

@@ -105,13 +105,6 @@ def add(
   )
 
 
-def estimate_from_norm(
-    sums: StatsSums, mean_sq_norm: jax.Array, tokens: jax.Array
-) -> GradStats:
-  """The statistics from the sums, ``|g|^2`` and the token count ``N``."""
-  return estimate_from_groups([sums], [mean_sq_norm], tokens)
-
-
 def estimate_from_groups(
     groups: list[StatsSums], mean_sq_norms: list[jax.Array],
     tokens: jax.Array

@@ -7,23 +7,23 @@ before it runs, how much memory each device needs:
 steps ahead of time, reads their memory and their collectives, and returns the
 smallest number of micro-batches that fits a per-device budget, with the FSDP
 policy (:mod:`fsdp`) that communicates least.
+
+This module compiles and measures the candidates (remembering what it
+measured), chooses among them and reports the :class:`Plan`; the step they
+are candidates of, checked, and each one's value-and-grad function come
+from ``planner_step``.
 """
 
 from collections.abc import Callable, Iterable
-import math
 from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import validation
-from optax_accum._src.mesh import readers
-from optax_accum._src.microbatch import batching
-from optax_accum._src.microbatch import coupled
-from optax_accum._src.microbatch import forms
 from optax_accum._src.microbatch import fsdp
-from optax_accum._src.microbatch import value_and_grad as value_and_grad_lib
 from optax_accum._src.tools import hlo
+from optax_accum._src.tools import planner_step
 
 _PLANNED = ("num_microbatches", "gradient_sync", "gather_params")
 _ONCE = fsdp.Policy()
@@ -123,10 +123,6 @@ class Plan(NamedTuple):
   table: Table
 
 
-def _divisors(n: int) -> list[int]:
-  return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def _hashable(value: Any) -> Any:
   """``value`` as a cache key, or TypeError if it cannot be one."""
   leaves, treedef = jax.tree.flatten(
@@ -154,14 +150,16 @@ def _refused_for_memory(error: Exception) -> bool:
   (``RESOURCE_EXHAUSTED: ... HLO temporaries (33.81G) exceeds available HBM
   (15.75G)``). Read from the error's status code, which jaxlib >= 0.10 gives
   as ``error_code_string``; with older jaxlibs the error is not read (it
-  propagates, with a note).
+  propagates, with a note). Remove when jaxlib >= 0.10 is the minimum
+  (``pyproject.toml``): :func:`_measure` then tests
+  ``e.error_code_string == "RESOURCE_EXHAUSTED"`` itself.
   """
   return (isinstance(error, jax.errors.JaxRuntimeError)
           and getattr(error, "error_code_string", None)
           == "RESOURCE_EXHAUSTED")
 
 
-def _measure(fn: Callable[..., Any], step: "_Step") -> _Measured:
+def _measure(fn: Callable[..., Any], step: planner_step.Step) -> _Measured:
   """Compiles the step around ``fn`` ahead of time and measures it."""
   if step.wrap is not None:
     fn = step.wrap(fn)
@@ -198,102 +196,6 @@ def _per_update(counts: hlo.CollectiveCounts | None, k: int) -> int | None:
   return sum(counts.total.values()) - in_loop + k * in_loop
 
 
-class _Step(NamedTuple):
-  """The step a plan compiles, but for its planned settings."""
-
-  loss_fn: Callable[..., Any]
-  encode_fn: Callable[..., Any] | None  # gradient caching: coupled.
-  wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None
-  vg_kwargs: dict[str, Any]
-  operands: tuple[Any, ...]  # (params, batch, *args), or with model state.
-  call_kwargs: dict[str, Any]  # rng= and loss_fn's keyword arguments.
-
-
-def _batch_of(step: _Step) -> Any:
-  """The batch among the operands (after the model state with has_state)."""
-  return step.operands[2 if step.vg_kwargs.get("has_state") else 1]
-
-
-def _has_fsdp_params(step: _Step) -> bool:
-  """Whether some parameter is sharded over ``axis_name``: policies apply."""
-  axis_name = step.vg_kwargs.get("axis_name")
-  if axis_name is None or step.encode_fn is not None:
-    return False
-  params = step.operands[0]
-  specs = step.vg_kwargs.get("param_specs")
-  if specs is None:
-    specs = jax.tree.map(
-        lambda p: readers.explicit_spec(p) or P(), params
-    )
-  specs = fsdp.specs_like(params, specs, axis_name)
-  return any(readers.sharded_dims(s) for s in jax.tree.leaves(
-      specs, is_leaf=lambda x: isinstance(x, P)))
-
-
-def _rows_per_device(step: _Step) -> int:
-  """The size of each device's share of the split axis of the batch."""
-  axis_name = step.vg_kwargs.get("axis_name")
-  batch = _batch_of(step)
-  rows = batching.split_size(batch, batching.leaf_axes(
-      batch, batching.check_batch_axes(step.vg_kwargs.get("batch_axes", 0))))
-  if axis_name is None:
-    return rows
-  mesh, _ = forms.current_mesh(step.operands)
-  if step.wrap is not None and mesh is None:
-    return _rows_seen_inside(step)
-  sizes = {} if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes))
-  if any(a not in sizes for a in readers.axes_of(axis_name)):
-    raise ValueError(
-        f"axis_name={axis_name!r} is not an axis of the current mesh:"
-        " plan_microbatches compiles the step under jax.jit, so call it"
-        " under jax.set_mesh(mesh), or pass inputs (arrays or"
-        " jax.ShapeDtypeStructs) sharded over that mesh's Explicit axes."
-    )
-  devices = math.prod(sizes[a] for a in readers.axes_of(axis_name))
-  batching.check_divisible(rows, 1, devices=devices)
-  return rows // devices
-
-
-def _rows_seen_inside(step: _Step) -> int:
-  """The rows per device that ``step.wrap`` hands the loop, by tracing it.
-
-  A step wrapped in a shard_map brings its own mesh: the loop (with one
-  micro-batch) sees the device's share of the batch.
-  """
-  seen = []
-  fn = step.encode_fn if step.encode_fn is not None else step.loss_fn
-  axes_ = batching.check_batch_axes(step.vg_kwargs.get("batch_axes", 0))
-
-  at = 2 if step.vg_kwargs.get("has_state") and step.encode_fn is None else 1
-
-  def probe(*args, **kwargs):
-    microbatch = args[at]
-    seen.append(batching.split_size(
-        microbatch, batching.leaf_axes(microbatch, axes_)))
-    return fn(*args, **kwargs)
-
-  if step.encode_fn is not None:
-    probed = _build(step._replace(encode_fn=probe), 1, fsdp.Policy())
-  else:
-    probed = _build(step._replace(loss_fn=probe), 1, fsdp.Policy())
-  jax.eval_shape(step.wrap(probed), *step.operands, **step.call_kwargs)
-  return seen[0]
-
-
-def _check_candidates(candidates: Iterable[int] | None, rows: int) -> list[int]:
-  if candidates is None:
-    return _divisors(rows)
-  ks = sorted({validation.check_positive_int("candidates[i]", k)
-               for k in candidates})
-  bad = [k for k in ks if rows % k]
-  if not ks or bad:
-    raise ValueError(
-        f"candidates must be divisors of the per-device batch size {rows},"
-        f" got {sorted(candidates)}."
-    )
-  return ks
-
-
 def _no_fit(table: Table, budget: int) -> ValueError:
   measured = [c for c in table if c.memory_bytes is not None]
   if not measured:
@@ -316,7 +218,7 @@ def _no_fit(table: Table, budget: int) -> ValueError:
   )
 
 
-def _key(step: _Step, k: int, chosen: fsdp.Policy) -> Any:
+def _key(step: planner_step.Step, k: int, chosen: fsdp.Policy) -> Any:
   """The cache key of one candidate, or None if something is unhashable."""
   try:
     key = (step.loss_fn, step.encode_fn, step.wrap, k, chosen,
@@ -433,12 +335,13 @@ def plan_microbatches(
           f"plan_microbatches chooses {name}: do not pass it (got"
           f" {name}={vg_kwargs[name]!r})."
       )
-  step = _step(loss_fn, (params, batch, *args), rng, loss_kwargs, encode_fn,
-               wrap, vg_kwargs)
-  rows = _rows_per_device(step)
-  groups = _GROUPS if _has_fsdp_params(step) else _GROUPS[:1]
+  step = planner_step.checked_step(
+      loss_fn, (params, batch, *args), rng, loss_kwargs, encode_fn, wrap,
+      vg_kwargs)
+  rows = planner_step.rows_per_device(step)
+  groups = _GROUPS if planner_step.has_fsdp_params(step) else _GROUPS[:1]
   table = []
-  for k in _check_candidates(candidates, rows):
+  for k in planner_step.check_candidates(candidates, rows):
     for group in groups if k > 1 else _GROUPS[:1]:
       rows_k = [_candidate(step, k, chosen, budget) for chosen in group]
       table.extend(rows_k)
@@ -448,65 +351,18 @@ def plan_microbatches(
                                            c.memory_bytes))
         return Plan(
             best.num_microbatches, best.gradient_sync, best.gather_params,
-            _build(step, k, fsdp.Policy(*best[1:3])),
+            planner_step.build(step, k, fsdp.Policy(*best[1:3])),
             best.memory_bytes, best.collectives_per_update, Table(table))
   raise _no_fit(Table(table), budget)
 
 
-def _step(loss_fn, operands, rng, loss_kwargs, encode_fn, wrap,
-          vg_kwargs) -> _Step:
-  """The checked :class:`_Step` of one :func:`plan_microbatches` call."""
-  for name, f in (("encode_fn", encode_fn), ("wrap", wrap)):
-    if f is not None and not callable(f):
-      raise TypeError(f"{name} must be callable or None, got {f!r}.")
-  if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
-    raise TypeError(
-        "loss_kwargs must be a dict of loss_fn's keyword arguments, got"
-        f" {loss_kwargs!r}."
-    )
-  if vg_kwargs.get("has_state") and len(operands) < 3:
-    raise TypeError(
-        "With has_state=True, call plan_microbatches(loss_fn, params,"
-        " model_state, batch, *args, ...), as you call the step."
-    )
-  call_kwargs = dict(loss_kwargs or {})
-  if "num_real_microbatches" in {**vg_kwargs, **call_kwargs}:
-    raise TypeError(
-        "plan_microbatches plans for all num_microbatches micro-batches;"
-        " num_real_microbatches, a keyword of each call, does not change the"
-        " memory a step needs. Plan without it and pass it to"
-        " plan.value_and_grad(..., num_real_microbatches=n)."
-    )
-  if "rng" in call_kwargs:
-    raise TypeError("Pass the key as plan_microbatches(..., rng=key), not in"
-                    " loss_kwargs.")
-  if rng is not None:
-    call_kwargs["rng"] = rng
-  if encode_fn is not None and call_kwargs.keys() - {"rng"}:
-    raise TypeError(
-        "coupled_value_and_grad (encode_fn=) takes no keyword arguments"
-        f" for its functions but rng=, got loss_kwargs={loss_kwargs!r}."
-    )
-  return _Step(loss_fn, encode_fn, wrap, vg_kwargs, operands, call_kwargs)
-
-
-def _build(step: _Step, k: int, chosen: fsdp.Policy) -> Callable:
-  """The value-and-grad function of a candidate's settings."""
-  if step.encode_fn is not None:
-    return coupled.coupled_value_and_grad(
-        step.encode_fn, step.loss_fn, num_microbatches=k, **step.vg_kwargs)
-  return value_and_grad_lib.value_and_grad(
-      step.loss_fn, num_microbatches=k, gradient_sync=chosen.gradient_sync,
-      gather_params=chosen.gather_params, **step.vg_kwargs)
-
-
-def _candidate(step: _Step, k: int, chosen: fsdp.Policy,
+def _candidate(step: planner_step.Step, k: int, chosen: fsdp.Policy,
                budget: int) -> Candidate:
   """Compiles (or looks up) and measures one candidate step."""
   key = _key(step, k, chosen)
   measured = _cache.get(key) if key is not None else None
   if measured is None:
-    measured = _measure(_build(step, k, chosen), step)
+    measured = _measure(planner_step.build(step, k, chosen), step)
     if key is not None:
       if len(_cache) >= _CACHE_SIZE:
         del _cache[next(iter(_cache))]

@@ -17,7 +17,7 @@ shard the parameter, FSDP, nothing is left: JAX reduce-scattered those in
 the call that took the gradient).
 
 A sum that is typed like its parameter (a fresh state, or one saved with
-:func:`optax_accum.reduced_sums`) holds the whole value: it enters the
+:func:`optax_accum.reduced_state`) holds the whole value: it enters the
 unreduced sum on the first device of the axes and as zeros on the others,
 which is exact and moves nothing. A gradient typed like its parameter (JAX
 already reduced it) enters the same way.
@@ -26,18 +26,13 @@ already reduced it) enters the same way.
 from typing import Any, NamedTuple
 
 import jax
-from jax import lax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._src import validation
 from optax_accum._src.accumulate import emitting
-from optax_accum._src.accumulate import incoming_grads
 from optax_accum._src.accumulate import microstep
 from optax_accum._src.mesh import collectives
 from optax_accum._src.mesh import manual
 from optax_accum._src.mesh import readers
-from optax_accum._src.rules import token_weighting
 
 
 class LeafTypes(NamedTuple):
@@ -98,21 +93,6 @@ def check_axis_name(types: list[LeafTypes], axis_name: Any) -> None:
     )
 
 
-def checked(updates: Any, grad_sum: Any) -> Any:
-  """The incoming gradients as floating arrays, checked against the sum."""
-  expected = jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct(jnp.shape(s), s.dtype), grad_sum)
-  validation.check_same_structure(
-      "updates", updates, expected, "the params the state was built for")
-  updates = jax.tree.map(jnp.asarray, updates)
-  return incoming_grads.as_inexact(updates, grad_sum)
-
-
-def _on_first_device(x: jax.Array, over: tuple[str, ...]) -> jax.Array:
-  """Per device: ``x`` on the first device of ``over``, zeros elsewhere."""
-  return jnp.where(lax.axis_index(over) == 0, x, jnp.zeros_like(x))
-
-
 def _laid_out_like(sums: list[Any], grads: list[Any],
                    types: list[LeafTypes]) -> list[Any]:
   """Whole sums resharded like their gradients (a slice, no reduction)."""
@@ -140,42 +120,36 @@ def add(updates: Any, state: Any, params: Any, tokens: jax.Array,
   mesh_axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
 
   def local(grads, sums, tokens, skip, cycle_start):
-    nonfinite = jnp.bool_(False)
-    if settings.skip_nonfinite:
-      bad = (~microstep.all_finite(grads) & (tokens != 0)).astype(jnp.int32)
-      nonfinite = token_weighting.is_bad_count(tokens) | (
-          lax.psum(bad, mesh_axes) > 0)
-    c = token_weighting.contribution(tokens, settings.loss_reduction,
-                                     drop=nonfinite | skip)
-    new = []
-    for g, s, t in zip(grads, sums, types):
-      if t.over and not t.sum_is_partial:
-        s = _on_first_device(s, t.over)
-      if t.over and not t.grad_is_partial:
-        g = _on_first_device(g, t.over)
-      s = jnp.where(cycle_start, jnp.zeros_like(s), s)
-      new.append(s + token_weighting.weighted(g, c, s.dtype))
-    return new, c.tokens, nonfinite
+    # A whole value (a sum typed like its parameter, a reduced gradient)
+    # enters the partials on the first device only: summed, it counts once.
+    sums = [manual.on_first_device(s, t.over)
+            if t.over and not t.sum_is_partial else s
+            for s, t in zip(sums, types)]
+    grads = [manual.on_first_device(g, t.over)
+             if t.over and not t.grad_is_partial else g
+             for g, t in zip(grads, types)]
+    return microstep.add_on_device(grads, sums, tokens, skip, cycle_start,
+                                   settings, mesh_axes)
 
   grads = jax.tree.leaves(updates)
   sums = _laid_out_like(jax.tree.leaves(state.grad_sum), grads, types)
   sum_specs = [P(*readers.partitions(readers.full_spec(s)),
                  unreduced=set(t.over)) for s, t in zip(sums, types)]
-  new_sums, added, nonfinite = manual.on_own_partials(
+  added = manual.on_own_partials(
       local,
       (grads, sums, tokens, skip, state.micro_step == 0),
-      (sum_specs, P(), P()),
+      microstep.DeviceAdd(sum_specs, P(), P()),
   )
   return microstep.MicroStep(
       grads=updates,
       leaf_rules=None,  # all "mean": check_partials_settings refuses others.
       cycle=emitting.Cycle(
           grad_sum=jax.tree.unflatten(jax.tree.structure(state.grad_sum),
-                                      new_sums),
-          token_count=state.token_count + added,
+                                      added.sums),
+          token_count=state.token_count + added.tokens,
           stats_sums=None,
       ),
-      nonfinite_count=microstep.increment_where(nonfinite,
+      nonfinite_count=microstep.increment_where(added.nonfinite,
                                                 state.nonfinite_count),
       skipped_count=microstep.increment_where(skip, state.skipped_count),
   )
@@ -186,10 +160,29 @@ def reduce_sum(s: jax.Array) -> jax.Array:
   (a psum of each device's partial, 16-bit floats summed in float32)."""
   if not readers.unreduced_axes(s):
     return s
-  plain = P(*readers.partitions(readers.full_spec(s)))
-  return collectives.reduce_scatter_unreduced(s, plain)
+  return collectives.reduce_scatter_unreduced(s, readers.plain_spec(s))
 
 
 def reduced(cycle: emitting.Cycle) -> emitting.Cycle:
   """The cycle's sums over every device (inside the emitting branch)."""
   return cycle._replace(grad_sum=jax.tree.map(reduce_sum, cycle.grad_sum))
+
+
+class TypedSums(NamedTuple):
+  """Under jit, unreduced gradients: the sum kept unreduced, by type."""
+
+  def add(self, updates, state, params, num_tokens, tokens, settings):
+    del num_tokens
+    updates = microstep.checked_grads(updates, state.grad_sum, None)
+    microstep.check_partials_settings(updates, settings)
+    return add(updates, state, params, tokens, settings)
+
+  def reduced(self, cycle, rules):
+    del rules
+    return reduced(cycle)
+
+  def summed_like(self, grads):
+    return readers.summed_like(grads)
+
+  def check_emit(self, emit):
+    del emit  # a jit-level value: the same on every device by its type.

@@ -1,21 +1,16 @@
-"""Unreduced gradients under jit: one reduction per update across jit calls.
+"""The slots form of :func:`optax_accum.accumulate`: a slot per device, by jit.
 
 With one jit call per micro-batch (PyTorch DDP's ``no_sync`` loop), a
 gradient typed *unreduced* over the data axes (``float32[...]{U:data}``,
 :func:`optax_accum.value_and_grad` with ``gradient_sync="deferred"``) holds
-each device's partial: summed over the devices it is the batch's gradient.
-:func:`optax_accum.accumulate` built with ``axis_name`` keeps such partials in
-its per-device slots (the layout of :mod:`partial_sums`, so that the state is
-an ordinary sharded array that checkpoints and
-:func:`optax_accum.state_partition_specs` handle) and reduces them once, in
-the emitting branch.
-
-JAX refuses most arithmetic on unreduced arrays (a product with a replicated
-scalar, ``isfinite``, ``where``), so the micro-step's local arithmetic runs
-in a :func:`jax.shard_map` over the data axes, where each device sees its own
-partial as a plain array. Moving a partial between the unreduced type and a
-slot is free; the reduction is :func:`jax.sharding.reshard` to the
-parameters' sharding.
+each device's partial. :func:`optax_accum.accumulate` built with
+``axis_name`` keeps such partials in per-device slots (a state laid out by
+``tx.init`` under the mesh, an ordinary sharded array that checkpoints and
+:func:`optax_accum.state_partition_specs` handle). Each call adds every
+device's partial to its own slot on each device's blocks
+(:func:`manual.on_own_partials`), with no gradient-sized communication;
+the emitting branch reshards the slots (:func:`sum_slots`), the one
+reduction per update.
 
 A parameter sharded over some of the data axes (FSDP, HSDP) gets its
 gradient reduce-scattered over those axes each call; its slots span only the
@@ -23,23 +18,17 @@ remaining data axes (:func:`slot_axes`).
 """
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._src.accumulate import emitting
+from optax_accum._src.accumulate import microstep
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import manual
 from optax_accum._src.mesh import readers
-
-
-def unreduced_axes(x: Any) -> frozenset[str]:
-  """The mesh axes over which ``x``'s type says it is unreduced."""
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  spec = getattr(getattr(aval, "sharding", None), "spec", None)
-  return frozenset(getattr(spec, "unreduced", ()))
 
 
 def slot_axes(param_spec: P | None,
@@ -63,7 +52,7 @@ def slot_zeros(param: Any, dtype: Any, axis_name: readers.AxisName) -> Any:
   """
   spec = readers.explicit_spec(param) or P()
   over = slot_axes(spec, axis_name)
-  sizes = dict(jax.sharding.get_abstract_mesh().shape)
+  sizes = readers.axis_sizes(jax.sharding.get_abstract_mesh())
   slots = math.prod(sizes[a] for a in over)
   entries = list(spec) + [None] * (jnp.ndim(param) - len(spec))
   return jnp.zeros(
@@ -85,8 +74,9 @@ def _slot_spec(slots: Any) -> P:
   return spec
 
 
-def check_grads(grads: Any, grad_sum: Any, axis_name: readers.AxisName,
-                looked_at: bool) -> None:
+def check_unreduced_over_slots(grads: Any, grad_sum: Any,
+                               axis_name: readers.AxisName,
+                               looked_at: bool) -> None:
   """Each gradient must be unreduced over exactly its slots' axes.
 
   A gradient that is already reduced (replicated) would be added on every
@@ -100,7 +90,7 @@ def check_grads(grads: Any, grad_sum: Any, axis_name: readers.AxisName,
   for (path, g), s in zip(flat, jax.tree.leaves(grad_sum)):
     spec = _slot_spec(s)
     want = frozenset(readers.axes_of(spec[0]) if spec[0] is not None else ())
-    have = unreduced_axes(g)
+    have = readers.unreduced_axes(g)
     if have == want or (not looked_at and not have):
       continue
     where = f"updates{jax.tree_util.keystr(path)}"
@@ -123,32 +113,6 @@ def check_grads(grads: Any, grad_sum: Any, axis_name: readers.AxisName,
     )
 
 
-def summed_like(grads: Any) -> Any:
-  """``grads`` once reduced: their shapes, typed without ``unreduced``."""
-  return jax.tree.map(
-      lambda g: jax.ShapeDtypeStruct(
-          jnp.shape(g), jnp.result_type(g),
-          sharding=P(*readers.partitions(readers.full_spec(g)))),
-      grads,
-  )
-
-
-def is_first_device(axis_name: readers.AxisName) -> jax.Array:
-  """In :func:`manual.on_own_partials`: whether this is the data axes'
-  device 0.
-
-  Counts that are the same on every device (the global token count, a
-  global drop) go into device 0's slot only, so that the sum over the slots
-  counts them once.
-  """
-  return lax.axis_index(readers.axes_of(axis_name)) == 0
-
-
-def any_device(flag: jax.Array, axis_name: readers.AxisName) -> jax.Array:
-  """In :func:`manual.on_own_partials`: whether ``flag`` holds anywhere."""
-  return lax.psum(flag.astype(jnp.int32), readers.axes_of(axis_name)) > 0
-
-
 def sum_slots(slots: Any) -> Any:
   """The sum over a leaf's slots, sharded like its parameter.
 
@@ -167,3 +131,74 @@ def sum_slots(slots: Any) -> Any:
   )
   return jax.sharding.reshard(unreduced, rest)
 
+
+def add_to_slots(updates: Any, state: Any, params: Any, tokens: jax.Array,
+                 settings: microstep.UpdateSettings) -> microstep.MicroStep:
+  """Adds a micro-step's unreduced gradients to the slots (no communication).
+
+  Each device adds its own partial, weighted by the global ``tokens``, to
+  its slot; the token count and the drop counts, the same on every device,
+  go into device 0's slot only. The non-finite decision is global: one
+  scalar reduction. ``should_skip`` runs under jit on the unreduced
+  gradients and the state as they are.
+  """
+  axis_name = settings.axis_name
+  skipped = microstep.skipped_on_partials(settings.should_skip, updates,
+                                          state, params)
+
+  def local(grads, sums, tokens, skipped, cycle_start):
+    grad_sum, token_count, nonfinite_count, skipped_count = sums
+    leaves, treedef = jax.tree.flatten(grad_sum)
+    added = microstep.add_on_device(
+        treedef.flatten_up_to(grads), leaves, tokens, skipped, cycle_start,
+        settings, axis_name)
+    # The counts are the same on every device: device 0's slot keeps them.
+    own = lambda x: manual.on_first_device(x, axis_name)
+    return (treedef.unflatten(added.sums),
+            token_count + own(added.tokens),
+            nonfinite_count + own(added.nonfinite.astype(jnp.int32)),
+            skipped_count + own(skipped.astype(jnp.int32)))
+
+  sums = (state.grad_sum, state.token_count, state.nonfinite_count,
+          state.skipped_count)
+  sums = manual.on_own_partials(
+      local, (updates, sums, tokens, skipped, state.micro_step == 0),
+      jax.tree.map(readers.full_spec, sums),
+  )
+  grad_sum, token_count, nonfinite_count, skipped_count = sums
+  return microstep.MicroStep(
+      grads=updates,
+      leaf_rules=None,  # all "mean": check_partials_settings refuses others.
+      cycle=emitting.Cycle(grad_sum, token_count, None),
+      nonfinite_count=nonfinite_count,
+      skipped_count=skipped_count,
+  )
+
+
+class SlotSums(NamedTuple):
+  """Under jit, a state laid out with ``axis_name``: a slot per device."""
+
+  axis_name: readers.AxisName
+
+  def add(self, updates, state, params, num_tokens, tokens, settings):
+    microstep.check_partials_settings(updates, settings)
+    updates = microstep.checked_grads(updates, state.grad_sum, None,
+                                      slot_axis=True)
+    check_unreduced_over_slots(updates, state.grad_sum, self.axis_name,
+                               looked_at=not microstep.has_no_tokens(
+                                   num_tokens))
+    return add_to_slots(updates, state, params, tokens, settings)
+
+  def reduced(self, cycle, rules):
+    del rules
+    return emitting.Cycle(
+        grad_sum=jax.tree.map(sum_slots, cycle.grad_sum),
+        token_count=jnp.sum(cycle.token_count),
+        stats_sums=None,
+    )
+
+  def summed_like(self, grads):
+    return readers.summed_like(grads)
+
+  def check_emit(self, emit):
+    del emit

@@ -1,0 +1,87 @@
+"""The manual form of :func:`optax_accum.accumulate`: a slot per device.
+
+Inside :func:`jax.shard_map` or :func:`jax.pmap`, with ``axis_name`` bound,
+each device keeps the sum of its own micro-batches' gradients (its *partial
+sum*), and the partial sums are added over the data-parallel axis once, when
+the update is made. In the state a partial sum sits behind a leading *slot*
+axis: one slot per device, so that a shard_map whose specs lay the slots out
+over the axis keeps every device's partial sum (a replicated spec would keep
+one and drop the others).
+"""
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._src import validation
+from optax_accum._src.accumulate import microstep
+from optax_accum._src.mesh import axes
+from optax_accum._src.mesh import compat
+from optax_accum._src.mesh import readers
+from optax_accum._src.rules import grad_reduction as grad_reduction_lib
+
+
+class ManualSums(NamedTuple):
+  """A manual axis (shard_map, pmap): each device's slot, a psum on emit."""
+
+  axis_name: readers.AxisName
+
+  def add(self, updates, state, params, num_tokens, tokens, settings):
+    updates = microstep.checked_grads(updates, state.grad_sum, num_tokens,
+                                      slot_axis=True,
+                                      local_over=self.axis_name)
+    return microstep.add_local(updates, state, params, tokens, settings)
+
+  def reduced(self, cycle, rules):
+    # The "max" leaves get their pmax first, on one device, so that the one
+    # sum that follows leaves them as they are.
+    cycle = cycle._replace(grad_sum=grad_reduction_lib.max_over_devices(
+        cycle.grad_sum, rules, self.axis_name, keep_on_one_device=True))
+    cycle = sum_slots_over(cycle, self.axis_name)
+    return cycle._replace(token_count=cycle.token_count.reshape(()))
+
+  def summed_like(self, grads):
+    return lax.psum(grads, self.axis_name)
+
+  def check_emit(self, emit):
+    validation.check_same_on_every_device("emit", emit, self.axis_name)
+
+
+def slot_zeros(shape: Sequence[int], dtype: Any,
+               axis_name: readers.AxisName) -> jax.Array:
+  """Zeros for per-device partial sums: ``shape`` behind a leading slot axis.
+
+  Inside shard_map or pmap each device has one slot. Under a mesh
+  (:func:`jax.set_mesh`) with ``axis_name`` the slot axis has one slot per
+  device and is sharded over it, ready for the ``in_specs`` that
+  :func:`optax_accum.state_partition_specs` gives. With neither, one slot:
+  replicate it for pmap.
+  """
+  shape = tuple(shape)
+  slots = (None if axes.is_bound(axis_name)
+           else readers.mesh_axis_size(axis_name))
+  if slots is None:
+    return jnp.zeros((1,) + shape, dtype)
+  spec = P(axis_name)
+  if readers.all_explicit(axis_name):
+    return jnp.zeros((slots,) + shape, dtype, out_sharding=spec)
+  return lax.with_sharding_constraint(jnp.zeros((slots,) + shape, dtype), spec)
+
+
+def slots_sharded_by_type(axis_name: readers.AxisName) -> bool:
+  """Whether :func:`slot_zeros` lays slots out over Explicit mesh axes."""
+  return (not axes.is_bound(axis_name)
+          and readers.mesh_axis_size(axis_name) is not None
+          and readers.all_explicit(axis_name))
+
+
+def sum_slots_over(tree: Any, axis_name: readers.AxisName) -> Any:
+  """Sums per-device partial sums (with a leading slot axis) over an axis."""
+  axes.check_bound(axis_name)
+  return compat.summed_in_float32(
+      lambda t: lax.psum(t, axis_name),
+      jax.tree.map(lambda x: x.reshape(x.shape[1:]), tree))
