@@ -17,7 +17,6 @@ from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._src import validation
 from optax_accum._src.accumulate import microstep
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import compat
@@ -48,7 +47,7 @@ class ManualSums(NamedTuple):
     return lax.psum(grads, self.axis_name)
 
   def check_emit(self, emit):
-    validation.check_same_on_every_device("emit", emit, self.axis_name)
+    axes.check_same_on_every_device("emit", emit, self.axis_name)
 
 
 def slot_zeros(shape: Sequence[int], dtype: Any,

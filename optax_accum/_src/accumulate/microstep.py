@@ -19,6 +19,7 @@ import optax
 
 from optax_accum._src import validation
 from optax_accum._src.accumulate import emitting
+from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import manual
 from optax_accum._src.mesh import readers
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
@@ -212,7 +213,7 @@ def checked_grads(updates: Any, grad_sum: Any, num_tokens: Any, *,
       "updates", updates, expected, "the params the state was built for")
   updates = jax.tree.map(jnp.asarray, updates)
   if local_over is not None and not has_no_tokens(num_tokens):
-    validation.check_device_local("updates", updates, local_over)
+    axes.check_device_local("updates", updates, local_over)
   return as_inexact(updates, grad_sum)
 
 

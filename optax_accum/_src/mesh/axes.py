@@ -110,3 +110,53 @@ def varying_like(tree: Any, like: Any) -> Any:
 
 def is_floating(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _tracks_varying(axis_name: readers.AxisName) -> bool:
+  """Whether values here carry which manual axes they vary over.
+
+  Inside :func:`jax.shard_map` with ``check_vma=True`` (the default) they
+  do; under :func:`jax.pmap` or ``check_vma=False`` every value looks
+  invariant, and nothing can be told from types.
+  """
+  probe = lax.pcast(jnp.zeros([]), readers.axes_of(axis_name), to="varying")
+  return set(readers.axes_of(axis_name)) <= varying_axes(probe)
+
+
+def check_device_local(name: str, tree: Any, axis_name: readers.AxisName) -> None:
+  """Raises if a leaf is invariant over ``axis_name`` where types tell."""
+  if not _tracks_varying(axis_name):
+    return
+  wanted = set(readers.axes_of(axis_name))
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    missing = wanted - varying_axes(leaf)
+    if missing:
+      raise ValueError(
+          f"{name}{jax.tree_util.keystr(path)} is the same on every device of"
+          f" axis {sorted(missing)} (invariant): autodiff has already summed"
+          " it over the axis, and accumulate would sum it again when it"
+          " emits, making the update as many times too large as there are"
+          " devices. Take the gradient with respect to"
+          f" optax_accum.device_local(params, {axis_name!r}) so that each"
+          " device keeps its own."
+      )
+
+
+def check_same_on_every_device(
+    name: str, value: jax.Array, axis_name: readers.AxisName
+) -> None:
+  """Raises if ``value`` may differ between devices of ``axis_name``.
+
+  Only where types tell (inside :func:`jax.shard_map` with ``check_vma``).
+  """
+  if not _tracks_varying(axis_name):
+    return
+  varying = set(readers.axes_of(axis_name)) & varying_axes(value)
+  if varying:
+    raise ValueError(
+        f"{name} varies over axis {sorted(varying)}: every device must make"
+        " the same decision on the same call, since emitting sums over the"
+        " axis. Compute it from values that are the same on every device"
+        " (the step number, a host-side flag, or a jax.lax.psum of local"
+        " counts)."
+    )

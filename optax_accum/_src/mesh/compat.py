@@ -133,7 +133,7 @@ def cast_unreduced(x: Any, spec: P) -> Any:
   unreduced axes aborts XLA, and jax 0.9's reshard to unreduced kept the
   value on every device (its sum then counts it once per device). Remove
   when jax >= 0.10 is the minimum and XLA compiles such a reshard (then
-  ``jax.sharding.reshard(x, spec)``; ``reduced_fallbacks.check_casts``
+  ``jax.sharding.reshard(x, spec)``; ``cast_checks.check_casts``
   keeps the two casts that XLA still gets wrong out of the loop).
   """
   if readers.partitions(readers.full_spec(x)) != readers.partitions(spec):

@@ -201,3 +201,21 @@ def merged_spec(type_spec: P, data_spec: P | None, axis_name: AxisName,
                      + tuple(axes_of(k) if k is not None else ()))
       for k, g in zip(kept, given)
   ])
+
+
+def mesh_of(x: Any) -> Any:
+  """The abstract mesh ``x``'s type is sharded over, or None."""
+  mesh = getattr(getattr(_aval(x), "sharding", None), "mesh", None)
+  if mesh is None or getattr(mesh, "empty", True):
+    return None
+  return getattr(mesh, "abstract_mesh", mesh)
+
+
+def auto_axes(mesh: Any) -> dict[str, int]:
+  """The Auto axes of ``mesh`` of size > 1, with their sizes (axes made
+  manual here are typed Manual, not Auto)."""
+  if mesh is None or mesh.empty:
+    return {}
+  types = axis_types(mesh)
+  return {n: s for n, s in axis_sizes(mesh).items()
+          if types[n] == AxisType.Auto and s > 1}

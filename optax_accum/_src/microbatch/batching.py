@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import validation
@@ -145,21 +144,13 @@ def _shards(leaf: Any, axis: int) -> int:
   if spec is None or axis >= len(spec) or spec[axis] is None:
     return 1
   names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
-  sizes = dict(jax.typeof(leaf).sharding.mesh.shape)
+  sizes = readers.axis_sizes(jax.typeof(leaf).sharding.mesh)
   return math.prod(sizes[n] for n in names)
 
 
 def _auto_axes_may_shard() -> bool:
   """Whether the current mesh has an Auto axis over which XLA may shard."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return False
-  manual = set(getattr(mesh, "manual_axes", ()))
-  return any(
-      t == AxisType.Auto and size > 1 and name not in manual
-      for name, size, t in zip(mesh.axis_names, mesh.axis_sizes,
-                               mesh.axis_types)
-  )
+  return bool(readers.auto_axes(jax.sharding.get_abstract_mesh()))
 
 
 def _split_entries(spec: Any, axis: int, ndim: int, strided: bool,

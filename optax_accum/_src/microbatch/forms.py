@@ -45,14 +45,6 @@ class Form(NamedTuple):
   leaf_axes: list[int | None]  # the batch leaves' split axes.
 
 
-def _mesh_of(leaf: Any) -> Any:
-  aval = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf)
-  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-  if mesh is None or getattr(mesh, "empty", True):
-    return None
-  return getattr(mesh, "abstract_mesh", mesh)
-
-
 def inputs_mesh(*trees: Any) -> Any:
   """The abstract mesh the inputs' types carry, or None.
 
@@ -60,7 +52,7 @@ def inputs_mesh(*trees: Any) -> Any:
   """
   found = None
   for leaf in jax.tree.leaves(trees):
-    mesh = _mesh_of(leaf)
+    mesh = readers.mesh_of(leaf)
     if mesh is None or math.prod(mesh.axis_sizes) == 1:
       continue
     if found is None:
@@ -87,10 +79,6 @@ def current_mesh(*trees: Any) -> tuple[Any, Any]:
   return found, found
 
 
-def _sizes(mesh: Any) -> dict[str, int]:
-  return dict(zip(mesh.axis_names, mesh.axis_sizes))
-
-
 def batch_data_axes(batch: Any, leaf_axes: list[int | None]) -> tuple[str, ...]:
   """The Explicit mesh axes (size > 1, not manual) that shard the batch.
 
@@ -106,7 +94,7 @@ def batch_data_axes(batch: Any, leaf_axes: list[int | None]) -> tuple[str, ...]:
     mesh = jax.typeof(leaf).sharding.mesh if spec is not None else None
     names = () if entry is None else tuple(
         n for n in readers.axes_of(entry)
-        if dict(mesh.shape)[n] > 1 and n not in set(
+        if readers.axis_sizes(mesh)[n] > 1 and n not in set(
             getattr(mesh, "manual_axes", ()) or ()))
     found[jax.tree_util.keystr(path)] = names
   kinds = set(found.values())
@@ -117,15 +105,6 @@ def batch_data_axes(batch: Any, leaf_axes: list[int | None]) -> tuple[str, ...]:
         " axes (e.g. jax.device_put(batch, P('data')))."
     )
   return next(iter(kinds), ())
-
-
-def _explicit(mesh: Any, names: tuple[str, ...]) -> bool:
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
-  return all(types.get(n) == AxisType.Explicit for n in names)
-
-
-def _name(names: tuple[str, ...]) -> readers.AxisName:
-  return names[0] if len(names) == 1 else names
 
 
 def detect(axis_name: readers.AxisName | None, params: Any, batch: Any,
@@ -141,10 +120,10 @@ def detect(axis_name: readers.AxisName | None, params: Any, batch: Any,
   if axis_name is None:
     if typed:
       refuse_mixed_axis_types(mesh, typed, None)
-      return Form(TYPED, _name(typed), enter, leaf_axes)
+      return Form(TYPED, readers.entry(typed), enter, leaf_axes)
     warn_auto_batch(mesh, batch, leaf_axes)
     return Form(SINGLE, None, enter, leaf_axes)
-  sizes = {} if mesh is None else _sizes(mesh)
+  sizes = {} if mesh is None else readers.axis_sizes(mesh)
   manual = set(getattr(mesh, "manual_axes", ()) or ())
   missing = [a for a in readers.axes_of(axis_name)
              if a not in sizes or a in manual]
@@ -162,20 +141,16 @@ def detect(axis_name: readers.AxisName | None, params: Any, batch: Any,
         f"axis_name={axis_name!r} does not name the mesh axes that the"
         f" batch is sharded over along its batch axis, {list(typed)} (read"
         " off its type): the loop would reshard the batch on every call."
-        f" Pass axis_name={_name(typed)!r}, or leave axis_name out (under"
+        f" Pass axis_name={readers.entry(typed)!r}, or leave axis_name out (under"
         " jax.jit with Explicit axes the data axes are read off the"
         " batch)."
     )
   if not active:
     return Form(SINGLE, None, enter, leaf_axes)
-  if _explicit(mesh, active):
+  if readers.are_explicit(mesh, active):
     refuse_mixed_axis_types(mesh, active, axis_name)
-    return Form(TYPED, _name(active), enter, leaf_axes)
-  return Form(AUTO, _name(active), enter, leaf_axes)
-
-
-def _types(mesh: Any) -> dict[str, str]:
-  return {n: t.name for n, t in zip(mesh.axis_names, mesh.axis_types)}
+    return Form(TYPED, readers.entry(active), enter, leaf_axes)
+  return Form(AUTO, readers.entry(active), enter, leaf_axes)
 
 
 def refuse_mixed_axis_types(mesh: Any, data_axes: tuple[str, ...],
@@ -199,13 +174,13 @@ def refuse_mixed_axis_types(mesh: Any, data_axes: tuple[str, ...],
   (``tests/test_mixed_axis_types.py::test_xla_still_double_counts`` fails
   then).
   """
-  types = _types(mesh)
+  types = {n: t.name for n, t in readers.axis_types(mesh).items()}
   others = {n: t for n, t in types.items() if t != AxisType.Explicit.name}
   if not others:
     return
   given = ("the batch is sharded over" if axis_name is None
            else f"axis_name={axis_name!r} names")
-  name = _name(data_axes)
+  name = readers.entry(data_axes)
   manual = [n for n, t in others.items() if t == AxisType.Manual.name]
   fix = (
       f"Make the data axes {list(data_axes)} manual too (a jax.shard_map"
@@ -231,15 +206,6 @@ def refuse_mixed_axis_types(mesh: Any, data_axes: tuple[str, ...],
 
 # The meshes already warned about by warn_auto_batch: (axis names, sizes).
 _warned_auto: set[tuple[Any, ...]] = set()
-
-
-def _auto_axes(mesh: Any) -> dict[str, int]:
-  """The mesh's Auto axes of size > 1 (not manual here)."""
-  if mesh is None:
-    return {}
-  return {n: s for n, s, t in zip(mesh.axis_names, mesh.axis_sizes,
-                                  mesh.axis_types)
-          if t == AxisType.Auto and s > 1}
 
 
 def _batch_auto_axes(batch: Any, leaf_axes: list[int | None],
@@ -279,7 +245,7 @@ def warn_auto_batch(mesh: Any, batch: Any,
   under :func:`jax.jit` the warning says "if"; a concrete batch that is not
   sharded over them is not warned about.
   """
-  auto = _auto_axes(mesh)
+  auto = readers.auto_axes(mesh)
   if not auto or all(a is None for a in leaf_axes):
     return
   sharded = _batch_auto_axes(batch, leaf_axes, auto)
@@ -299,7 +265,7 @@ def warn_auto_batch(mesh: Any, batch: Any,
       " (num_microbatches gradient-sized all-reduces per call, where one"
       " after the loop would do; measured on the CPU backend, whose compiler"
       " keeps them in the loop). Pass axis_name naming them"
-      f" (axis_name={_name(over)!r}): the loop then runs in a jax.shard_map"
+      f" (axis_name={readers.entry(over)!r}): the loop then runs in a jax.shard_map"
       " over those axes and reduces once, after it. Or make the mesh's axes"
       " Explicit (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))):"
       " the data axes are then read off the batch's type and reduced once."
@@ -316,5 +282,5 @@ def entered(form: Form) -> contextlib.AbstractContextManager:
 
 def axis_size(axis_name: readers.AxisName) -> int:
   """The number of devices along ``axis_name`` in the current mesh."""
-  sizes = _sizes(jax.sharding.get_abstract_mesh())
+  sizes = readers.axis_sizes(jax.sharding.get_abstract_mesh())
   return math.prod(sizes[a] for a in readers.axes_of(axis_name))

@@ -117,7 +117,7 @@ def _no_data_parallelism(axis_name: readers.AxisName | None, batch: Any,
     spec = readers.explicit_spec(leaf)
     if axis is not None and spec is not None and axis < len(spec):
       named |= set(readers.axes_of(spec[axis])) if spec[axis] else set()
-  return bool(named) and all(dict(mesh.shape)[n] == 1 for n in named)
+  return bool(named) and all(readers.axis_sizes(mesh)[n] == 1 for n in named)
 
 
 def _local(program: layout.Program, lay: layout.Layout, params: Any,

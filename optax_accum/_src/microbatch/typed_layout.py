@@ -24,7 +24,7 @@ parameter sharded over data axes). Per parameter leaf:
 
 Which leaves are reduced is decided by :func:`build_typed`: it traces the
 call's *local* stage with every candidate reduced, once, into a jaxpr whose
-casts :func:`reduced_fallbacks.check_casts` checks, then evaluates it in
+casts :func:`cast_checks.check_casts` checks, then evaluates it in
 place (re-binding its equations, without running ``loss_fn``'s Python
 again), so that a model without fallback leaves costs one trace of
 ``loss_fn``. If that trace fails, :func:`reduced_fallbacks.find` finds the
@@ -46,6 +46,7 @@ from optax_accum._src.mesh import collectives
 from optax_accum._src.mesh import compat
 from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import batching
+from optax_accum._src.microbatch import cast_checks
 from optax_accum._src.microbatch import fsdp
 from optax_accum._src.microbatch import layout
 from optax_accum._src.microbatch import reduced_fallbacks
@@ -323,7 +324,7 @@ def _is_array(x: Any) -> bool:
 def _traced_once(local: Callable[[], layout.Partials]) -> layout.Partials:
   """``local()``, traced into a jaxpr, its casts checked, then evaluated.
 
-  Raises as the trace does, or :class:`reduced_fallbacks.UnsafeCast`.
+  Raises as the trace does, or :class:`cast_checks.UnsafeCast`.
   """
   static = {}
 
@@ -333,14 +334,14 @@ def _traced_once(local: Callable[[], layout.Partials]) -> layout.Partials:
     return [x for x in leaves if _is_array(x)]
 
   closed = jax.make_jaxpr(arrays)()
-  reduced_fallbacks.check_casts(closed.jaxpr)
+  cast_checks.check_casts(closed.jaxpr)
   values = iter(jax.extend.core.jaxpr_as_fun(closed)())
   return static["treedef"].unflatten([
       next(values) if _is_array(x) else x for x in static["leaves"]])
 
 
 # What JAX raises when it refuses a reduced operand, or has no rule for one;
-# reduced_fallbacks.UnsafeCast is a TypeError.
+# cast_checks.UnsafeCast is a TypeError.
 _REFUSALS = (compat.sharding_type_error(), TypeError, ValueError,
              NotImplementedError)
 

@@ -115,7 +115,7 @@ def rows_per_device(step: Step) -> int:
   mesh, _ = forms.current_mesh(step.operands)
   if step.wrap is not None and mesh is None:
     return _rows_seen_inside(step)
-  sizes = {} if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes))
+  sizes = {} if mesh is None else readers.axis_sizes(mesh)
   if any(a not in sizes for a in readers.axes_of(axis_name)):
     raise ValueError(
         f"axis_name={axis_name!r} is not an axis of the current mesh:"
