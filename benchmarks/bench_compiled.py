@@ -10,7 +10,7 @@ reductions over the data axes sum per update (all-reduces and
 reduce-scatters of 64 bytes or more; a reduce-scatter counts the whole
 gradient it sums; in a loop x k).
 
-The model is the cookbook-style decoder of ``tests/typed_model.py`` at about
+The model is the cookbook-style decoder of ``zoo/typed_model.py`` at about
 1B parameters, on two meshes: ``data x tensor`` (4 x 2) and ``fsdp`` (8).
 Candidates, one update of ``k`` micro-batches each:
 
@@ -32,7 +32,6 @@ section records why it was skipped.
 
 import json
 import math
-import os
 import sys
 import warnings
 
@@ -46,11 +45,8 @@ import optax
 import harness
 import optax_accum as oa
 import report
-
-sys.path.insert(0, os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import compile_only as co  # tests/ is on sys.path just above.
-import typed_model as tm
+from zoo import compile_only as co
+from zoo import typed_model as tm
 
 KEY = "k"
 TITLE = "Compiled for TPU v5e (2x4): memory and data reductions at 1B"
@@ -315,7 +311,7 @@ def markdown(result):
   lines = [
       f"Compiled on this machine (no TPU) for the 8 compile-only chips of a"
       f" `{result['topology']}` slice ({result['device_kind']}, jax"
-      f" {result['jax']}), nothing run; the decoder of `tests/typed_model.py`"
+      f" {result['jax']}), nothing run; the decoder of `zoo/typed_model.py`"
       f" `{report.spec(result['model'])}`, a batch of {result['batch']}"
       f" sequences, k={k}. Memory per chip from `memory_analysis()`; bytes:"
       " the gradient that reductions over the data axes sum per update (in"

@@ -1,6 +1,6 @@
 """l. The deferred micro-step loop without axis_name, on data x tensor.
 
-``tests/typed_model.py``'s cookbook-style decoder on a ``data x tensor``
+``zoo/typed_model.py``'s cookbook-style decoder on a ``data x tensor``
 mesh of 8 CPU devices (4 x 2, Explicit axes), one optimizer update over
 ``k`` micro-batches, four ways, against the full batch:
 
@@ -26,7 +26,6 @@ the full batch's. With fewer than 8 devices ``run`` measures in a child.
 """
 
 import json
-import os
 import sys
 
 import jax
@@ -39,10 +38,7 @@ import harness
 import optax_accum as oa
 from optax_accum._src.tools import hlo
 import report
-
-sys.path.insert(0, os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import typed_model as tm  # tests/ is on sys.path just above.
+from zoo import typed_model as tm
 
 KEY = "l"
 TITLE = "The deferred micro-step loop without axis_name (data x tensor)"
@@ -156,16 +152,13 @@ def _in_process(cfg):
         mcfg, k, params, batch, mesh)
 
     def update(name):
-      _, state, inputs = steps[name]
-      p, s = params, harness.copy_tree(state)
-      for b in inputs:
-        p, s = compiled[name](p, s, b)
-      return jax.block_until_ready(p)
+      _, state, inputs = steps[name]  # the state is donated: a fresh copy.
+      return harness.update_by_calls(compiled[name], params,
+                                     harness.copy_tree(state), inputs)
 
-    updated = {name: jax.device_get(update(name)) for name in compiled}
-    times = harness.interleaved(
+    updated, times = harness.time_updates(
         {name: (lambda n=name: update(n)) for name in compiled},
-        reps=cfg["reps"])
+        reps=cfg["reps"], first=lambda _, p: jax.device_get(p))
     parts = _parts(params, micro, grad_fn, tx, loss_fn, steps[DEFERRED][1])
     part_times = harness.interleaved(
         {name: (lambda f=f, a=a: jax.block_until_ready(f(*a)))

@@ -1,6 +1,6 @@
 """m. The deferred loop in an ``nnx.Optimizer``, as a new user writes it.
 
-An NNX decoder (``_models.make_nnx_decoder``: ``nnx.Embed``,
+An NNX decoder (``zoo.models.make_nnx_decoder``: ``nnx.Embed``,
 ``nnx.LayerNorm``, ``nnx.Linear`` kernels sharded over ``tensor`` with
 ``nnx.with_partitioning``) on a 4 x 2 ``data x tensor`` mesh of 8 simulated
 CPU devices (Explicit axes), adamw. One optimizer update over ``k``
@@ -43,11 +43,12 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
-import _models
 import harness
 import hlo_report
 import optax_accum as oa
 import report
+from zoo import losses
+from zoo import models
 
 KEY = "m"
 TITLE = "The deferred loop in an nnx.Optimizer (NNX decoder, data x tensor)"
@@ -93,8 +94,7 @@ PARTS = (
 NAIVE_TARGET = 1.1
 
 
-def num_tokens(batch):
-  return batch["mask"].sum()
+num_tokens = losses.num_tokens  # the sum of a (micro-)batch's mask.
 
 
 def _batch(cfg):
@@ -134,7 +134,7 @@ def _updates(cfg, micro, whole):
   out = {}
 
   def fresh(tx):
-    model, loss_fn = _models.make_nnx_decoder(**cfg["model"])
+    model, loss_fn = models.make_nnx_decoder(**cfg["model"])
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param), loss_fn
 
   def loop(step, model, optimizer, batches):
@@ -191,7 +191,7 @@ def _updates(cfg, micro, whole):
 
 def _split_loop(cfg, tx, batches, deferred):
   """A ``jax.jit`` step on the split state (donated); the model it writes."""
-  model, loss_fn = _models.make_nnx_decoder(**cfg["model"])
+  model, loss_fn = models.make_nnx_decoder(**cfg["model"])
   graphdef, params = nnx.split(model, nnx.Param)
   grad_fn = _grad_fn(loss_fn, graphdef, deferred)
   extra = {"num_tokens": num_tokens} if deferred else {}
@@ -226,7 +226,7 @@ def _grad_fn(loss_fn, graphdef, deferred):
 def _parts(cfg, micro, whole):
   """Each part of a micro-step, compiled alone: ``(prepare, run)``."""
   k = cfg["k"]
-  model, loss_fn = _models.make_nnx_decoder(**cfg["model"])
+  model, loss_fn = models.make_nnx_decoder(**cfg["model"])
   graphdef, params = nnx.split(model, nnx.Param)
   tx = oa.accumulate(_adamw(), every_k=k)
   grad_fn = _grad_fn(loss_fn, graphdef, deferred=True)
@@ -256,12 +256,12 @@ def _parts(cfg, micro, whole):
                    donate_argnums=(0, 1))
   n = num_tokens(micro[0])
 
-  m_acc, _ = _models.make_nnx_decoder(**cfg["model"])
+  m_acc, _ = models.make_nnx_decoder(**cfg["model"])
   o_acc = nnx.Optimizer(m_acc, oa.accumulate(_adamw(), every_k=k),
                         wrt=nnx.Param)
   as_written = nnx.jit(_nnx_step(loss_fn))
   as_written(m_acc, o_acc, micro[0])  # the sum typed unreduced from now.
-  m_adam, _ = _models.make_nnx_decoder(**cfg["model"])
+  m_adam, _ = models.make_nnx_decoder(**cfg["model"])
   o_adam = nnx.Optimizer(m_adam, _adamw(), wrt=nnx.Param)
   trivial = nnx.jit(lambda model, optimizer, b: num_tokens(b))
   split_state = nnx.split((m_acc, o_acc))[1]
@@ -333,13 +333,11 @@ def _in_process(cfg):
         lambda x, i=i: jnp.asarray(x[i * rows:(i + 1) * rows]), host),
                             P("data")) for i in range(k)]
     updates = _updates(cfg, micro, whole)
-    first = {}
-    for name, (run, model) in updates.items():
-      run()  # the first update, from the same initial parameters.
-      first[name] = _params(model)
-    times = harness.interleaved(
-        {name: (lambda r=run: r()) for name, (run, _) in updates.items()},
-        reps=reps)
+    # The first update of each, from the same initial parameters, is its
+    # result: the parameters its model holds after it.
+    first, times = harness.time_updates(
+        {name: run for name, (run, _) in updates.items()}, reps=reps,
+        first=lambda name, _: _params(updates[name][1]))
     part_times, hlo = {}, {}
     if cfg.get("parts", True):
       parts, hlo = _parts(cfg, micro, whole)

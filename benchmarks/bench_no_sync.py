@@ -22,7 +22,6 @@ subprocess with ``jax_num_cpu_devices=8``.
 import collections
 import json
 import re
-import subprocess
 import sys
 
 import jax
@@ -30,11 +29,11 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 import optax
 
-import _models
 import harness
 import hlo_report
 import optax_accum as oa
 import report
+from zoo import models
 
 KEY = "h"
 TITLE = "One jit call per micro-batch (DDP no_sync): deferred gradient sync"
@@ -103,7 +102,7 @@ def _per_update(counts, k, loop_calls):
 
 def _programs(model, k):
   """The three candidates' compiled programs, their inputs and a runner."""
-  params, batch, loss_fn = _models.make_mlp(**model)
+  params, batch, loss_fn = models.make_mlp(**model)
   params = jax.device_put(params, P())
   micro = [jax.device_put(jax.tree.map(lambda x, i=i: x[i::k], batch),
                           P("data")) for i in range(k)]
@@ -149,15 +148,9 @@ def _in_process(cfg):
   with jax.set_mesh(mesh):
     params, states, inputs, compiled = _programs(cfg["model"], k)
 
-    def update(name):
-      p, s = params, states[name]
-      for b in inputs[name]:
-        p, s = compiled[name](p, s, b)
-      return jax.block_until_ready(p)
-
-    updated = {name: update(name) for name in compiled}
-    times = harness.interleaved(
-        {name: (lambda n=name: update(n)) for name in compiled},
+    updated, times = harness.time_updates(
+        {name: (lambda n=name: harness.update_by_calls(
+            compiled[n], params, states[n], inputs[n])) for name in compiled},
         reps=cfg["reps"])
   out = {"k": k, "model": cfg["model"], "devices": DEVICES,
          "param_bytes": harness.tree_bytes(params),
@@ -186,10 +179,7 @@ def run(cfg):
   if jax.device_count() >= DEVICES:
     return _in_process(cfg)
   # jax has started with fewer devices: measure in a fresh process.
-  done = subprocess.run(
-      [sys.executable, __file__, json.dumps(cfg)], check=True,
-      capture_output=True, text=True)
-  return json.loads(done.stdout.splitlines()[-1])
+  return harness.in_child(__file__, cfg)
 
 
 def checks(result):

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import _models
 import bench_value_and_grad
 import harness
 import optax_accum as oa
 from optax_accum._src.rules import noise_scale
 import report
+from zoo import models
 
 KEY = "g"
 TITLE = "Gradient noise scale: with_stats=True vs without"
@@ -52,7 +52,7 @@ def candidates(loss_fn, k):
   """
   def fn(with_stats):
     return jax.jit(oa.value_and_grad(
-        loss_fn, num_microbatches=k, num_tokens_fn=_models.batch_size_of,
+        loss_fn, num_microbatches=k, num_tokens_fn=models.batch_size_of,
         with_stats=with_stats))
   return {STATS: fn(True), PLAIN: fn(False), NO_NORM: fn(True)}
 
@@ -65,7 +65,7 @@ def _tracing(name):
 
 
 def time_model(spec, k, reps):
-  params, batch, loss_fn = _models.build_model(spec)
+  params, batch, loss_fn = models.build_model(spec)
   compiled = {}
   for name, f in candidates(loss_fn, k).items():
     with _tracing(name):

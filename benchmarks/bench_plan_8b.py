@@ -23,10 +23,10 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import _models
 import harness
 import optax_accum as oa
 import report
+from zoo import models
 
 KEY = "i"
 TITLE = "Planning k for an 8B-parameter model from abstract shapes"
@@ -58,7 +58,7 @@ def _abstract_inputs(cfg, mesh):
       return P()
     return P(*([None] * (len(shape) - 2)), "data", None)
 
-  shapes = _models.llama_shapes(**cfg["model"])
+  shapes = models.llama_shapes(**cfg["model"])
   params = jax.tree_util.tree_map_with_path(
       lambda path, shape: jax.ShapeDtypeStruct(
           shape, jnp.bfloat16, sharding=NamedSharding(mesh, fsdp(path, shape))),
@@ -76,7 +76,7 @@ def plan(cfg):
   """Plans at each budget (in this process, with 8 devices); plain numbers."""
   mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
   params, batch = _abstract_inputs(cfg, mesh)
-  loss_fn = _models.make_llama_loss(cfg["model"]["heads"],
+  loss_fn = models.make_llama_loss(cfg["model"]["heads"],
                                     cfg["model"]["kv_heads"])
   plans = []
   for budget_gib in cfg["budgets_gib"]:

@@ -8,10 +8,10 @@ Checked: the timed candidates' gradients agree with the full batch's.
 
 import jax
 
-import _models
 import bench_value_and_grad
 import harness
 import report
+from zoo import models
 
 KEY = "d"
 TITLE = "Time and temporary memory vs k"
@@ -54,8 +54,8 @@ NAMES = (bench_value_and_grad.OURS, bench_value_and_grad.PEER)
 
 def compile_candidates(spec, ks):
   """The full batch and ours and the peer at each k, compiled."""
-  params, batch, loss_fn = _models.build_model(spec)
-  bs = _models.batch_size_of(batch)
+  params, batch, loss_fn = models.build_model(spec)
+  bs = models.batch_size_of(batch)
   compiled = {"full batch": jax.jit(jax.value_and_grad(loss_fn)).lower(
       params, batch).compile()}
   for k in ks:

@@ -1,6 +1,6 @@
 """j. The typed form on a cookbook-style decoder, 8 simulated devices.
 
-``tests/typed_model.py``, a decoder written for :func:`jax.jit` (annotations
+``zoo/typed_model.py``, a decoder written for :func:`jax.jit` (annotations
 that name the batch axes, FSDP and tensor-parallel weights, an elementwise
 positional add that JAX cannot type ``reduced``), on two meshes of 8 CPU
 devices: ``data x tensor`` (4 x 2: the batch over ``data``, the weights
@@ -38,7 +38,6 @@ process with ``jax_num_cpu_devices=8``.
 
 import json
 import math
-import os
 import sys
 from typing import NamedTuple
 import warnings
@@ -54,10 +53,7 @@ import harness
 import optax_accum as oa
 from optax_accum._src.tools import hlo
 import report
-
-sys.path.insert(0, os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import typed_model as tm  # tests/ is on sys.path just above.
+from zoo import typed_model as tm
 
 KEY = "j"
 TITLE = "The typed form: a cookbook-style decoder on 8 devices"
@@ -409,7 +405,7 @@ def markdown(result):
   lines = [
       f"One gradient of a batch of {result['batch']} sequences over k={k}"
       f" micro-batches on {result['devices']} simulated CPU devices, the"
-      f" decoder of `tests/typed_model.py` `{report.spec(result['model'])}`."
+      f" decoder of `zoo/typed_model.py` `{report.spec(result['model'])}`."
       " Ratios are to the full batch `jax.jit(jax.value_and_grad(loss_fn))`"
       " on the same mesh; `shard_map` is the previous release's form (Auto"
       " axes, the model without activation annotations). Grad diff: max abs"

@@ -8,10 +8,10 @@ a small transformer. Checked: the gradients agree with the full batch's.
 import jax
 from optax import microbatching
 
-import _models
 import harness
 import optax_accum as oa
 import report
+from zoo import models
 
 KEY = "c"
 TITLE = "Value and gradient of one batch"
@@ -69,9 +69,9 @@ def gradient_errors(compiled, params, batch, ref):
 
 
 def time_model(spec, k, reps):
-  params, batch, loss_fn = _models.build_model(spec)
+  params, batch, loss_fn = models.build_model(spec)
   fns = {FULL: jax.jit(jax.value_and_grad(loss_fn))}
-  fns.update(candidates(loss_fn, _models.batch_size_of(batch), k))
+  fns.update(candidates(loss_fn, models.batch_size_of(batch), k))
   compiled = {n: f.lower(params, batch).compile() for n, f in fns.items()}
   ref = compiled[FULL](params, batch)
   times = harness.interleaved(harness.compiled_calls(compiled, params, batch),

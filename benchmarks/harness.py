@@ -57,6 +57,36 @@ def interleaved(candidates, reps, warmup=1):
   return times
 
 
+def update_by_calls(step, params, state, batches):
+  """One optimizer update made of one call per micro-batch; its parameters.
+
+  ``params, state = step(params, state, batch)`` for each of ``batches``, in
+  order (one batch: an update in one call), the loop of PyTorch DDP's
+  ``no_sync`` written for ``jax.jit``; blocks until the parameters are ready
+  and returns them.
+  """
+  for batch in batches:
+    params, state = step(params, state, batch)
+  return jax.block_until_ready(params)
+
+
+def time_updates(updates, reps, first=None):
+  """Each candidate's first update, then its time per update, interleaved.
+
+  ``updates`` maps each candidate's name to a zero-argument callable that
+  runs one update (its calls, one per micro-batch, or one call) and blocks
+  until it is done. Each runs once, in order, before anything is timed: what
+  ``first(name, out)`` makes of that run's output ``out`` (``out`` itself by
+  default) is the candidate's result, to check against its peer. Then
+  :func:`interleaved` times the same callables. Returns ``(results, times)``.
+  """
+  results = {}
+  for name, update in updates.items():
+    out = update()
+    results[name] = out if first is None else first(name, out)
+  return results, interleaved(updates, reps)
+
+
 def summarize(seconds, cpu_seconds=None):
   """Median, p25, p75 and min of wall-clock times (and the CPU median)."""
   q = np.percentile(seconds, [25, 75])

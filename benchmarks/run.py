@@ -22,6 +22,12 @@ import harness
 import report
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# The repository root, for the models that the tests share (the ``zoo``
+# package): ``python benchmarks/run.py`` puts only benchmarks/ on sys.path.
+# The benchmarks are imported by ``load``, after this.
+_ROOT = os.path.dirname(_HERE)
+if _ROOT not in sys.path:
+  sys.path.insert(1, _ROOT)
 
 # The benchmarks, in the order they run and are reported. To add one, write
 # benchmarks/bench_<name>.py (see "Adding a benchmark" in README.md) and add

@@ -8,7 +8,7 @@ The API reference has a page per name of ``optax_accum.__all__``, written into
 ``docs/api/`` (ignored by git) when the build starts, so that a new public name
 gets its page without an edit here. ``docs/api.md`` groups them in summary
 tables; a name that no table lists yet is added to a last table, "More", so it
-is never left out. ``tests/test_docs.py`` checks both without Sphinx.
+is never left out. ``tests/docs/test_docs.py`` checks both without Sphinx.
 """
 
 import inspect
@@ -77,7 +77,7 @@ html_theme_options = {
 # every TeX extension (none is fetched on demand) and SVG output, whose glyphs
 # are inside it (CHTML output needs web fonts, which browsers refuse to load
 # from file://; MathJax 4 fetches glyphs outside its base set from a CDN).
-# The path is relative to _static/; tests/test_docs.py checks the file.
+# The path is relative to _static/; tests/docs/test_docs.py checks the file.
 mathjax_path = "mathjax/tex-svg-full.js"
 pygments_style = "default"
 

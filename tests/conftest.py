@@ -7,16 +7,30 @@ backends, which pytest guarantees by loading this file before any test module.
 Strict dtype promotion is switched on per test around our own code
 (``jax.numpy_dtype_promotion("strict")``), not globally: optax's own
 optimizers rely on standard promotion.
+
+The tests live in folders (``unit/`` mirrors ``optax_accum/_src``;
+``forms/``, ``integration/``, ``docs/``, ``compiled/``); what they share is in
+``support/`` (``helpers``, ``trajectories``, the worker scripts), imported by
+bare name (``import helpers``), so that folder goes on ``sys.path`` here. The
+models and the compile-only devices that the benchmarks use too are in the
+top-level ``zoo`` package (``from zoo import typed_model``), found in the
+repository root: pytest puts it on ``sys.path`` to load the root conftest.py.
+Every test module has its own basename: pytest imports them by it.
 """
 
 import importlib.util
+import pathlib
+import sys
 
 import jax
 import pytest
 
 NUM_DEVICES = 8
+SUPPORT = pathlib.Path(__file__).parent / "support"
 
 jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
+if str(SUPPORT) not in sys.path:
+  sys.path.insert(0, str(SUPPORT))
 
 
 def pytest_collection_modifyitems(config, items):

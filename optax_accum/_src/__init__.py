@@ -1,71 +1,107 @@
 """optax_accum's private modules. Read this code map first.
 
-Two families of entry points share the modules below them.
-
-**One call of** :func:`optax_accum.value_and_grad` (and of
-:func:`optax_accum.coupled_value_and_grad`;
-:func:`optax_accum.plan_microbatches` compiles such calls) reads as stages in
-order, data passing downward:
+Five folders, one per family, and two modules that every family uses.
+Imports run downward only, in this order (``tests/unit/test_layers.py``
+fails on a cycle or an import that runs back up):
 
 .. code-block:: text
 
-  value_and_grad.py     checks the arguments once; builds a stages.Program
-   |                    (microbatch_loop.program) and runner.Settings
-  runner.py             run(): the form, once (forms.py: single / manual /
-   |                    auto / typed, by the type of the data axes), and
-   |                    its one layout.Layout:
+  tools/        opt-in tools, off every hot path
+  microbatch/   accumulate/   the two entry-point families (neither
+                              imports the other)
+  rules/        the arithmetic both families share
+  validation.py, mesh/        argument checks; reading and moving shardings
+  caller_warnings.py          every warning, at the caller's line
+
+**rules/**: the arithmetic both entry points share, with no sharding
+inside. ``token_weighting`` (the one weighting rule, ``num_tokens`` missing),
+``grad_reduction`` (``grad_reduction=``: mean, max or last per leaf),
+``aux_reduction`` (``aux_reduction=`` over micro-batches and devices),
+``noise_scale`` (``GradStats`` and its sums).
+
+**mesh/**: sharding types, read and acted on. ``readers`` holds every
+reader of specs and meshes off types (``full_spec``, ``unreduced_axes``,
+``axis_sizes``, ...) and imports nothing of ours; ``manual`` is the one
+module that calls ``jax.shard_map`` (``on_own_partials``: a function on
+each device's own blocks, the first-device helpers); ``axes`` the manual
+axes (varying, ``device_local``, their checks); ``collectives`` gathers,
+reduce-scatters and psums by spec, and the deferred forms' add and
+reduction (``add_to_partials``, ``reduce_scatter_unreduced``); ``compat``
+only the retirable JAX and XLA workarounds. Every shim, wherever it lives,
+says what retires it: ``grep -rn "Remove when"``.
+
+**microbatch/**: one call of :func:`optax_accum.value_and_grad` or
+:func:`optax_accum.coupled_value_and_grad`
+(:func:`optax_accum.plan_microbatches` compiles such calls), k micro-batches
+in one ``lax.scan``. The call reads as stages in order, data passing downward:
+
+.. code-block:: text
+
+  value_and_grad.py     checks the arguments once; builds a layout.Program
+   |  coupled.py        (loop.program; coupled's two passes) and
+   |                    runner.Settings
+  runner.py             run(): the form, once (forms.detect_form: single,
+   |                    manual, auto or typed, by the type of the data
+   |                    axes), and its one layout.Layout:
    |                      single    layout.SingleLayout (the identity)
    |                      manual    manual_layout.ManualLayout (shard_map,
    |                                pmap; fsdp.py: the FSDP policy)
    |                      auto      the same, in runner.over_mesh's
    |                                shard_map over the Auto data axes
-   |                      typed     typed_layout.TypedLayout, built by
-   |                                typed_build.py from one trace (the
-   |                                leaves JAX cannot type reduced:
-   |                                reduced_fallbacks.py)
+   |                      typed     typed_layout.TypedLayout, built from
+   |                                one trace (build_typed; the leaves JAX
+   |                                cannot type reduced: reduced_fallbacks,
+   |                                cast_checks; noise rows: typed_noise)
    |                    then the same stages in every form:
    |  hold              layout.hold(params)
    |  local             Program.local(held, inputs, layout) -> Partials
-   |                      microbatch_loop.py  the scan over micro-batches
-   |                        batching.py        split (contiguous / strided)
+   |                      loop.py            the scan over micro-batches
+   |                        batching.py        split (contiguous, strided)
    |                        loss_signature.py  how loss_fn is called
-   |                        token_weighting.py the one weighting rule
-   |                        aux_reduction.py   aux_reduction=
-   |                        microbatch_rng.py  a key per micro-batch
-   |                        noise_scale.py     with_stats sums
-   |                      coupled.py + coupled_passes.py  gradient caching
+   |                        rng.py             a key per micro-batch
    |  reduce            layout.reduce(partials), the one reduction
-   |  finalize          Program.finalize -> stages.Result
+   |  finalize          Program.finalize -> layout.Result
   value_and_grad.py     packs the Result like jax.value_and_grad
 
-stages.py holds the NamedTuples that cross those boundaries (Partials,
-Result, Program). The loop and gradient caching call only the layout's
-methods (layout.Layout, a Protocol): nothing below runner.py asks which
-form it is in, and nothing calls back into an entry module.
+The loop and gradient caching call only the layout's methods (the
+``layout.Layout`` Protocol): nothing below ``runner.py`` asks which form it
+is in, and nothing calls back into an entry module.
 
-**One call of** ``oa.accumulate(...).update``:
+**accumulate/**: one call of ``oa.accumulate(...).update``, one micro-batch
+per call:
 
 .. code-block:: text
 
-  accumulate.py         the state, the factory; update(): the form, the
-   |                    emit decision, the next AccumulateState
-  accumulate_forms.py   detect(): the form of this call, once (SINGLE,
-   |                    MANUAL, TYPED, SLOTS) -> a SumLayout (a Protocol)
-   |  add               the micro-step, on the layout's sums:
-   |                      microstep.py   drops, the lazy-reset add (SINGLE,
-   |                                     MANUAL: incoming_grads.py checks)
-   |                      typed_sums.py  TYPED: unreduced gradients under
-   |                                     jit, the sum unreduced by type
-   |                      slot_sums.py   SLOTS: a slot per device under jit
-  emitting.py           the lax.cond's emitting branch: layout.reduced (the
-                        one reduction per update), inner on the mean
+  transform.py          the factory; update(): detect_sum_layout, once
+   |                    (single, manual, typed or slots) -> a
+   |                    sum_layout.SumLayout, each form's class beside its
+   |                    own logic:
+   |                      single    sum_layout.SingleSums
+   |                      manual    manual_sums.ManualSums (shard_map, pmap)
+   |                      typed     typed_sums.TypedSums (unreduced
+   |                                gradients under jit, sums unreduced)
+   |                      slots     slot_sums.SlotSums (a slot per device
+   |                                under jit)
+   |  add               layout.add: microstep.py (the checks of incoming
+   |                    gradients, the drops, the lazy-reset add;
+   |                    add_on_device for the two deferred forms)
+   |  emit or skip      lax.cond: layout.reduced (the one reduction per
+   |                    update), then emitting.Emitter (inner on the mean)
+  state.py              AccumulateState, its start and next value
 
-Helpers shared by both: axes.py (manual axes, device_local), sharding.py
-(specs, gathers, reduce-scatters), validation.py (argument checks),
-partition_specs.py (specs of a state; reduced_state, to save one) and
-state_lookup.py (reading an AccumulateState), reducible_layers.py
-(add_bias, multiply_scale, reducible_layers), hlo.py
-(count_collectives), planner.py (plan_microbatches), caller_warnings.py
-(every warning, at the caller's line). compat.py holds the workarounds for
-JAX and XLA, each saying what retires it (``grep "Remove when"``).
+``state_access.py`` reads a state (``find_accumulate_state``,
+``has_updated``, ``grad_stats``, ``tokens_seen``) and applies its updates
+(``apply_if_updated``); ``partition_specs.py`` gives a state's specs and
+``reduced_state`` (to save one).
+
+**tools/**: opt-in, off every hot path. ``hlo`` (``count_collectives``,
+on ``hlo_text``'s parser of compiled HLO), ``planner``
+(``plan_microbatches``, on ``planner_step``'s step), ``reducible_layers``
+(``add_bias``, ``multiply_scale``, ``reducible_layers``).
+
+The same words name the forms in both families: *single* (no data axis),
+*manual* (data axes made manual: shard_map, pmap), *typed* (Explicit data
+axes under jit, the reduction in the types); ``value_and_grad`` adds
+*auto* (Auto data axes, entered by the runner's shard_map) and
+``accumulate`` *slots* (a state laid out per device, under jit).
 """

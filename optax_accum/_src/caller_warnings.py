@@ -9,7 +9,10 @@ line of the user's code that called us. Under :func:`jax.jit` that is the
 line of the jitted function that called us, as it is traced.
 
 Python 3.12's ``warnings.warn(skip_file_prefixes=...)`` does the same; this
-module stands in for it on Python 3.11.
+module stands in for it on Python 3.11. Remove when Python >= 3.12 is the
+minimum (``requires-python`` in ``pyproject.toml``): then call
+``warnings.warn(message, category, skip_file_prefixes=...)`` with the
+installed paths of the packages in ``_INTERNAL``.
 """
 
 import sys

@@ -56,7 +56,8 @@ class Emitter(NamedTuple):
   rules: list[str] | None  # grad_reduction per leaf; None: all "mean".
 
   def run_inner(self, grad_sum, token_count, inner_state):
-    mean = grad_reduction_lib.finish(grad_sum, token_count, self.like_grads,
+    mean = grad_reduction_lib.mean_by_rule(
+        grad_sum, token_count, self.like_grads,
                                      self.rules)
     updates, new_state = self.inner.update(
         mean, inner_state, self.params, **self.extra_args

@@ -50,7 +50,7 @@ class ManualSums(NamedTuple):
     axes.check_same_on_every_device("emit", emit, self.axis_name)
 
 
-def slot_zeros(shape: Sequence[int], dtype: Any,
+def zeros_with_slot(shape: Sequence[int], dtype: Any,
                axis_name: readers.AxisName) -> jax.Array:
   """Zeros for per-device partial sums: ``shape`` behind a leading slot axis.
 
@@ -72,7 +72,7 @@ def slot_zeros(shape: Sequence[int], dtype: Any,
 
 
 def slots_sharded_by_type(axis_name: readers.AxisName) -> bool:
-  """Whether :func:`slot_zeros` lays slots out over Explicit mesh axes."""
+  """Whether :func:`zeros_with_slot` lays slots out over Explicit mesh axes."""
   return (not axes.is_bound(axis_name)
           and readers.mesh_axis_size(axis_name) is not None
           and readers.all_explicit(axis_name))

@@ -122,7 +122,7 @@ def add_to_sum(grad_sum, updates, contribution, cycle_start, rules):
   conditional only reads it.
   """
   restarted = grad_reduction_lib.restart(grad_sum, rules, cycle_start)
-  return grad_reduction_lib.add(restarted, updates, contribution, rules)
+  return grad_reduction_lib.add_by_rule(restarted, updates, contribution, rules)
 
 
 def cycle_after(state, grads, contribution, loss_reduction,
@@ -130,7 +130,7 @@ def cycle_after(state, grads, contribution, loss_reduction,
   """The running sums with this micro-step added."""
   stats_sums = state.stats_sums
   if stats_sums is not None:
-    stats_sums = noise_scale.add(
+    stats_sums = noise_scale.add_sq_norms(
         stats_sums, grad_reduction_lib.only_means(grads, rules), contribution,
         loss_reduction)
   return emitting.Cycle(
@@ -150,7 +150,8 @@ def add_local(updates, state, params, tokens,
       tokens, settings.loss_reduction,
       drop=dropped.nonfinite | dropped.skipped
   )
-  leaf_rules = grad_reduction_lib.per_leaf(settings.grad_reduction, updates)
+  leaf_rules = grad_reduction_lib.rules_per_leaf(settings.grad_reduction,
+                                                 updates)
   return MicroStep(
       grads=updates,
       leaf_rules=leaf_rules,
@@ -257,7 +258,8 @@ def check_partials_settings(updates, settings: UpdateSettings) -> None:
   """What unreduced gradients under jit cannot do, refused by name."""
   if settings.with_stats:
     raise ValueError(_STATS_UNREDUCED)
-  leaf_rules = grad_reduction_lib.per_leaf(settings.grad_reduction, updates)
+  leaf_rules = grad_reduction_lib.rules_per_leaf(settings.grad_reduction,
+                                                 updates)
   if leaf_rules is not None and any(
       r != grad_reduction_lib.MEAN for r in leaf_rules):
     raise ValueError(

@@ -44,7 +44,7 @@ def slot_axes(param_spec: P | None,
   return tuple(a for a in readers.axes_of(axis_name) if a not in used)
 
 
-def slot_zeros(param: Any, dtype: Any, axis_name: readers.AxisName) -> Any:
+def slots_like(param: Any, dtype: Any, axis_name: readers.AxisName) -> Any:
   """A parameter's per-device slots under a mesh, sharded like it.
 
   The leading slot axis spans :func:`slot_axes`; the other dimensions keep

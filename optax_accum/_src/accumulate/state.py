@@ -121,14 +121,14 @@ def init_state(inner_state, params, accumulator_dtype, axis_name,
     # With an axis, the running sums are this device's partial sums; a
     # leading slot axis lets shard_map lay them out one slot per device
     # (scalars included), so that no device's partial sum can be dropped.
-    return manual_sums.slot_zeros(shape, dtype, axis_name)
+    return manual_sums.zeros_with_slot(shape, dtype, axis_name)
 
   def sum_zeros(param, accumulator_dtype):
     dtype = microstep.sum_dtype(param, accumulator_dtype)
     if axis_name is not None and manual_sums.slots_sharded_by_type(axis_name):
       # Under a mesh with Explicit axes: slots sharded like the parameter,
       # ready for unreduced gradients under jit (and for shard_map).
-      return slot_sums.slot_zeros(param, dtype, axis_name)
+      return slot_sums.slots_like(param, dtype, axis_name)
     if axis_name is None:
       # Shaped and sharded like the parameter (as optax's zeros_like): all
       # that unreduced gradients under jit need too (typed_sums).

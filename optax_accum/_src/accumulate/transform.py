@@ -58,7 +58,7 @@ def _should_emit(emit, micro_step, length, layout):
   return emit | by_count
 
 
-def detect(axis_name: readers.AxisName | None, updates: Any,
+def detect_sum_layout(axis_name: readers.AxisName | None, updates: Any,
            grad_sum: Any) -> sum_layout.SumLayout:
   """The form of one ``update`` call (at trace time): where its sums live."""
   if axis_name is None:
@@ -224,7 +224,8 @@ def accumulate(
       " micro-batch's loss averaged over)",
       validation.check_bool("equal_weights", equal_weights),
   )
-  grad_reduction = grad_reduction_lib.check(grad_reduction, axis_name)
+  grad_reduction = grad_reduction_lib.check_grad_reduction(grad_reduction,
+                                                           axis_name)
   validation.check_transformation("inner", inner)
   takes_extra_args = isinstance(inner, optax.GradientTransformationExtraArgs)
   inner = optax.with_extra_args_support(inner)
@@ -235,7 +236,8 @@ def accumulate(
 
   def init_fn(params):
     validation.check_param_leaves(params)
-    grad_reduction_lib.per_leaf(grad_reduction, params)  # fits the params?
+    # Raises unless grad_reduction fits the params.
+    grad_reduction_lib.rules_per_leaf(grad_reduction, params)
     return state_lib.init_state(inner.init(params), params, accumulator_dtype,
                        axis_name, with_stats)
 
@@ -244,7 +246,7 @@ def accumulate(
     validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
     if extra_args and not takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
-    layout = detect(axis_name, updates, state.grad_sum)
+    layout = detect_sum_layout(axis_name, updates, state.grad_sum)
     if num_tokens is None:
       tokens = missing_count.count()  # warned once the call is checked.
     else:

@@ -77,7 +77,7 @@ def leaf_types(updates: Any, grad_sum: Any) -> list[LeafTypes]:
   return types
 
 
-def check_axis_name(types: list[LeafTypes], axis_name: Any) -> None:
+def check_axis_name_matches(types: list[LeafTypes], axis_name: Any) -> None:
   """An ``axis_name`` given as well must name the axes the types say."""
   if axis_name is None:
     return
@@ -105,7 +105,7 @@ def _laid_out_like(sums: list[Any], grads: list[Any],
   ]
 
 
-def add(updates: Any, state: Any, params: Any, tokens: jax.Array,
+def add_partials(updates: Any, state: Any, params: Any, tokens: jax.Array,
         settings: microstep.UpdateSettings) -> microstep.MicroStep:
   """Adds a micro-step's unreduced gradients, on each device's partials.
 
@@ -114,7 +114,7 @@ def add(updates: Any, state: Any, params: Any, tokens: jax.Array,
   are.
   """
   types = leaf_types(updates, state.grad_sum)
-  check_axis_name(types, settings.axis_name)
+  check_axis_name_matches(types, settings.axis_name)
   skip = microstep.skipped_on_partials(settings.should_skip, updates, state,
                                        params)
   mesh_axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
@@ -163,7 +163,7 @@ def reduce_sum(s: jax.Array) -> jax.Array:
   return collectives.reduce_scatter_unreduced(s, readers.plain_spec(s))
 
 
-def reduced(cycle: emitting.Cycle) -> emitting.Cycle:
+def reduced_cycle(cycle: emitting.Cycle) -> emitting.Cycle:
   """The cycle's sums over every device (inside the emitting branch)."""
   return cycle._replace(grad_sum=jax.tree.map(reduce_sum, cycle.grad_sum))
 
@@ -175,11 +175,11 @@ class TypedSums(NamedTuple):
     del num_tokens
     updates = microstep.checked_grads(updates, state.grad_sum, None)
     microstep.check_partials_settings(updates, settings)
-    return add(updates, state, params, tokens, settings)
+    return add_partials(updates, state, params, tokens, settings)
 
   def reduced(self, cycle, rules):
     del rules
-    return reduced(cycle)
+    return reduced_cycle(cycle)
 
   def summed_like(self, grads):
     return readers.summed_like(grads)

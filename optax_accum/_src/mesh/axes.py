@@ -123,7 +123,8 @@ def _tracks_varying(axis_name: readers.AxisName) -> bool:
   return set(readers.axes_of(axis_name)) <= varying_axes(probe)
 
 
-def check_device_local(name: str, tree: Any, axis_name: readers.AxisName) -> None:
+def check_device_local(name: str, tree: Any,
+                       axis_name: readers.AxisName) -> None:
   """Raises if a leaf is invariant over ``axis_name`` where types tell."""
   if not _tracks_varying(axis_name):
     return

@@ -47,7 +47,8 @@ def scatter(leaf: Any, spec: P) -> tuple[Any, set[str]]:
     leaf = compat.blockwise(
         lambda x, dim=dim, dim_axes=dim_axes: compat.summed_in_float32(
             lambda y: lax.psum_scatter(
-                y, readers.entry(dim_axes), scatter_dimension=dim, tiled=True), x),
+                y, readers.entry(dim_axes), scatter_dimension=dim,
+                tiled=True), x),
         leaf)
     used.update(dim_axes)
   return leaf, used
@@ -141,7 +142,8 @@ def reduce_scatter_unreduced(s: Any, target: P) -> Any:
   one compiles to a whole all-reduce and a slice on XLA's TPU backend (the
   GPU backend turns it into a reduce-scatter itself). Remove when XLA's TPU
   compiler forms reduce-scatters from that pattern
-  (``tests/test_compiled_tpu.py`` checks the reduce-scatters either way).
+  (``tests/compiled/test_compiled_tpu.py`` checks the reduce-scatters either
+  way).
   Falls back to the reshard where a dimension mixes the reduced axes with
   others (the order of its blocks would differ).
   """
@@ -160,7 +162,8 @@ def reduce_scatter_unreduced(s: Any, target: P) -> Any:
     dtype = x.dtype
     x = x.astype(jnp.float32) if low else x
     for dim, entry in enumerate(entries):
-      names = tuple(a for a in readers.axes_of(entry) if a in over) if entry else ()
+      names = (tuple(a for a in readers.axes_of(entry) if a in over)
+               if entry else ())
       if names:
         x = lax.psum_scatter(x, names, scatter_dimension=dim, tiled=True)
     if summed:

@@ -75,7 +75,7 @@ def blockwise(collective: Callable[[Any], Any], x: Any) -> Any:
   jax 0.10: tensor parallelism inside the loop's shard_map); making those
   axes manual for the collective alone moves no data along them. Remove
   when jax types ``lax.psum_scatter`` of such an operand (see
-  ``tests/test_sharding.py``, which fails without it).
+  ``tests/unit/mesh/test_collectives.py``, which fails without it).
   """
   found = readers.sharded_by_explicit_axes(x)
   if found is None:
@@ -94,7 +94,7 @@ def summed_in_float32(collective: Callable[[Any], Any], tree: Any) -> Any:
   narrower than float32 are widened for the collective and narrowed after
   it (which also rounds once, not at every device). Remove when XLA's CPU
   and GPU backends compile a bfloat16 all-reduce in a partially manual
-  program (``tests/bf16_mesh_worker.py`` checks it).
+  program (``tests/support/bf16_mesh_worker.py`` checks it).
   """
   leaves, treedef = jax.tree.flatten(tree)
   narrow = [jnp.issubdtype(jnp.result_type(x), jnp.floating)

@@ -30,8 +30,8 @@ def entry(names: tuple[str, ...]) -> Any:
 
 def _aval(x: Any) -> Any:
   """The type of a value; a ShapeDtypeStruct or an aval is its own."""
-  if isinstance(x, jax.ShapeDtypeStruct) or not isinstance(x, jax.Array) and (
-      hasattr(x, "sharding")):
+  if isinstance(x, jax.ShapeDtypeStruct) or (
+      not isinstance(x, jax.Array) and hasattr(x, "sharding")):
     return x
   return jax.typeof(x)
 
@@ -46,7 +46,9 @@ def full_spec(x: Any) -> P:
 def partitions(spec: P) -> tuple[Any, ...]:
   """A spec's entries, without its reduced/unreduced sets.
 
-  ``*spec`` is refused once a spec has unreduced or reduced axes.
+  ``*spec`` is refused once a spec has unreduced or reduced axes. jax 0.9
+  keeps them in the private ``_partitions`` only: remove that fallback when
+  jax >= 0.10.2 is the minimum (``PartitionSpec.partitions`` there).
   """
   return tuple(getattr(spec, "partitions", None)
                or getattr(spec, "_partitions", ()))

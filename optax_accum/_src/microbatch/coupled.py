@@ -349,7 +349,7 @@ def coupled_value_and_grad(
   def fn(params, batch, *args, rng=None):
     loss_signature.check_params(params)
     inputs = loss_signature.Inputs(
-        None, batch, args, {}, rng_lib.check(rng))
+        None, batch, args, {}, rng_lib.check_rng(rng))
     result = runner.run(program, settings, params, inputs)
     aux = result.aux.stacked
     return ((result.loss, aux), result.grads) if coupled.has_aux else (

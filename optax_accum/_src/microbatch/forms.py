@@ -8,7 +8,7 @@ Auto axes of a mesh under :func:`jax.jit`: the runner makes them manual for
 the call) and ``TYPED`` (under :func:`jax.jit`, Explicit data axes, those
 the batch is sharded over or ``axis_name``'s: the reduction is in the
 types; only on a mesh whose axes are all Explicit, else refused by
-:func:`refuse_mixed_axis_types`). :func:`detect` decides; the runner
+:func:`refuse_mixed_axis_types`). :func:`detect_form` decides; the runner
 builds the form's :class:`layout.Layout`.
 
 A mesh read off the inputs is entered (:func:`jax.sharding.use_abstract_mesh`)
@@ -107,7 +107,7 @@ def batch_data_axes(batch: Any, leaf_axes: list[int | None]) -> tuple[str, ...]:
   return next(iter(kinds), ())
 
 
-def detect(axis_name: readers.AxisName | None, params: Any, batch: Any,
+def detect_form(axis_name: readers.AxisName | None, params: Any, batch: Any,
            leaf_axes: list[int | None]) -> Form:
   """The :class:`Form` of a call with ``axis_name`` on these inputs.
 
@@ -141,7 +141,8 @@ def detect(axis_name: readers.AxisName | None, params: Any, batch: Any,
         f"axis_name={axis_name!r} does not name the mesh axes that the"
         f" batch is sharded over along its batch axis, {list(typed)} (read"
         " off its type): the loop would reshard the batch on every call."
-        f" Pass axis_name={readers.entry(typed)!r}, or leave axis_name out (under"
+        f" Pass axis_name={readers.entry(typed)!r}, or leave axis_name out"
+        " (under"
         " jax.jit with Explicit axes the data axes are read off the"
         " batch)."
     )
@@ -171,7 +172,7 @@ def refuse_mixed_axis_types(mesh: Any, data_axes: tuple[str, ...],
   of unreduced and manual axes can be present"). Both are refused here, at
   trace time, before XLA sees them. Remove when jax lowers ``unreduced`` on
   a mesh with Auto and Manual axes as it does on an all-Explicit one
-  (``tests/test_mixed_axis_types.py::test_xla_still_double_counts`` fails
+  (``tests/forms/test_mixed_axis_types.py::test_xla_still_double_counts`` fails
   then).
   """
   types = {n: t.name for n, t in readers.axis_types(mesh).items()}
@@ -265,7 +266,8 @@ def warn_auto_batch(mesh: Any, batch: Any,
       " (num_microbatches gradient-sized all-reduces per call, where one"
       " after the loop would do; measured on the CPU backend, whose compiler"
       " keeps them in the loop). Pass axis_name naming them"
-      f" (axis_name={readers.entry(over)!r}): the loop then runs in a jax.shard_map"
+      f" (axis_name={readers.entry(over)!r}): the loop then runs in a"
+      " jax.shard_map"
       " over those axes and reduces once, after it. Or make the mesh's axes"
       " Explicit (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))):"
       " the data axes are then read off the batch's type and reduced once."

@@ -95,7 +95,8 @@ def check_param_specs(param_specs: Any) -> Any:
   return param_specs
 
 
-def specs_like(params: Any, param_specs: Any, axis_name: readers.AxisName) -> Any:
+def specs_like(params: Any, param_specs: Any,
+               axis_name: readers.AxisName) -> Any:
   """``param_specs`` (a spec or a tree prefix) as one spec per parameter."""
   if isinstance(param_specs, P):
     spec = readers.restrict(param_specs, axis_name)

@@ -178,7 +178,7 @@ class SingleLayout(NamedTuple):
                         held, dtypes)
 
   def add_grads(self, total, grads, c, rules):
-    return grad_reduction_lib.add(total, grads, c, rules)
+    return grad_reduction_lib.add_by_rule(total, grads, c, rules)
 
   def zero_stats(self):
     return [noise_scale.zero_sums()]
@@ -186,7 +186,7 @@ class SingleLayout(NamedTuple):
   def add_stats(self, stats, grads, c, loss_reduction, count_tokens,
                 microbatch):
     del count_tokens, microbatch
-    return [noise_scale.add(stats[0], grads, c, loss_reduction)]
+    return [noise_scale.add_sq_norms(stats[0], grads, c, loss_reduction)]
 
   def sq_norms(self, tree):
     return [noise_scale.sq_norm(tree)]

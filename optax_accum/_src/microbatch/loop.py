@@ -3,7 +3,7 @@
 :func:`program` gives the runner (:mod:`runner`) this module's stages: *local*
 runs :func:`loop` on the loop's batch (one device's, or the global one) and
 hands its sums over as :class:`layout.Partials`; *finalize* turns the
-reduced sums into the means (:func:`finish`). The sums follow the
+reduced sums into the means (:func:`finish_loop`). The sums follow the
 token-weighting rule of ``token_weighting``; aux is stacked or reduced in the
 carry (``aux_reduction``); the noise-scale sums ride along with
 ``with_stats``. Where parameters are held and gradients summed is the
@@ -94,7 +94,7 @@ def _aux_plan(loss, opts, params_for, inputs, batch_split,
       inputs, _rng_for(inputs, 0, lay)
   ))
   shapes, treedef = jax.tree.flatten(aux)
-  reductions = aux_reduction_lib.per_leaf(opts.aux_reduction, aux)
+  reductions = aux_reduction_lib.aux_rules_per_leaf(opts.aux_reduction, aux)
   return AuxPlan(reductions, shapes, treedef)
 
 
@@ -184,7 +184,7 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
 
   batch_split = lay.split(inputs.batch, opts.num_microbatches)
   plan = _aux_plan(loss, opts, params_for, inputs, batch_split, lay)
-  rules = grad_reduction_lib.per_leaf(opts.grad_reduction, params)
+  rules = grad_reduction_lib.rules_per_leaf(opts.grad_reduction, params)
   value_and_grad_fn = jax.value_and_grad(loss, has_aux=True)
 
   def step(carry, index):
@@ -223,14 +223,14 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
   return sums, LoopOut(model_state, values.dtype, stacked, plan, rules)
 
 
-def finish(sums: Sums, out: LoopOut, params,
+def finish_loop(sums: Sums, out: LoopOut, params,
            lay: layout.Layout) -> layout.Result:
   """The loss, gradient, aux and stats from the (device-reduced) sums.
 
   ``lay.sq_norms`` gives the squared norm of each stats group of a reduced
   gradient (summed over its shards, if sharded).
   """
-  grads = grad_reduction_lib.finish(sums.grads, sums.tokens, params,
+  grads = grad_reduction_lib.mean_by_rule(sums.grads, sums.tokens, params,
                                     out.grad_rules)
   stats = None
   if sums.stats is not None:
@@ -244,7 +244,7 @@ def finish(sums: Sums, out: LoopOut, params,
   if out.plan is None:
     aux = aux_reduction_lib.Parts(out.stacked, None)
   else:
-    aux = aux_reduction_lib.finish(
+    aux = aux_reduction_lib.finish_aux(
         sums.aux, out.stacked, out.plan.reductions, out.plan.shapes,
         sums.tokens, out.plan.treedef)
   return layout.Result(loss, grads, out.model_state, aux, stats)
@@ -266,7 +266,7 @@ def _partials(sums: Sums, out: LoopOut) -> layout.Partials:
 
 def _finalize(partials: layout.Partials, params,
               lay: layout.Layout) -> layout.Result:
-  """:func:`finish` on the (reduced) :class:`layout.Partials`."""
+  """:func:`finish_loop` on the (reduced) :class:`layout.Partials`."""
   loss, tokens, aux_sums, stats = partials.sums
   out = partials.rest._replace(model_state=partials.means)
   running = None
@@ -274,7 +274,7 @@ def _finalize(partials: layout.Partials, params,
     running = aux_reduction_lib.join_extrema(
         aux_sums, out.plan.reductions, partials.maxima, partials.minima)
   sums = Sums(partials.grads, loss, tokens, running, stats)
-  return finish(sums, out, params, lay)
+  return finish_loop(sums, out, params, lay)
 
 
 def program(loss, opts: Options) -> layout.Program:

@@ -152,7 +152,7 @@ class ManualLayout(NamedTuple):
               f" {self.axis_name!r} needs gradient_sync='once', got"
               " gradient_sync='every_microbatch'."
           )
-        return grad_reduction_lib.add(s, g, c, [rule])
+        return grad_reduction_lib.add_by_rule(s, g, c, [rule])
       term = token_weighting.weighted(g, c, s.dtype)
       if self._syncs_in_loop(spec):
         term, _ = collectives.scatter(term, spec)
@@ -173,10 +173,11 @@ class ManualLayout(NamedTuple):
     """This device's micro-batch is a small batch (summed over devices in
     :meth:`reduce`, with the loss)."""
     del count_tokens, microbatch
-    return [noise_scale.add(stats[0], grads, c, loss_reduction)]
+    return [noise_scale.add_sq_norms(stats[0], grads, c, loss_reduction)]
 
   def sq_norms(self, tree):
-    return [collectives.sq_norm_of_shards(tree, self.specs, noise_scale.sq_norm)]
+    return [collectives.sq_norm_of_shards(tree, self.specs,
+                                          noise_scale.sq_norm)]
 
   def after_loop(self, total, rules):
     """The "max" leaves' pmax, kept on the first device: the one sum over

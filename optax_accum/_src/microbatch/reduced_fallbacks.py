@@ -156,17 +156,18 @@ def _nbytes(leaf: Any) -> int:
   return math.prod(jnp.shape(leaf)) * jnp.dtype(jnp.result_type(leaf)).itemsize
 
 
-def check(attempt: Callable[[frozenset[int]], Any],
+def check_attempt(attempt: Callable[[frozenset[int]], Any],
           reduced: frozenset[int]) -> None:
   """Traces ``attempt(reduced)`` without running it and checks its casts:
   raises if it fails to trace or would not compile right."""
-  cast_checks.check_casts(jax.make_jaxpr(lambda: attempt(reduced) and None)().jaxpr)
+  traced = jax.make_jaxpr(lambda: attempt(reduced) and None)()
+  cast_checks.check_casts(traced.jaxpr)
 
 
 def _traces(attempt: Callable[[frozenset[int]], Any],
             reduced: frozenset[int]) -> bool:
   try:
-    check(attempt, reduced)
+    check_attempt(attempt, reduced)
   except Exception:  # any refusal of the cast counts.
     return False
   return True
@@ -180,7 +181,7 @@ def find(attempt: Callable[[frozenset[int]], Any],
   Raises the loop's own error if it fails with none of them reduced.
   """
   if not _traces(attempt, frozenset()):
-    check(attempt, frozenset())  # raises the model's own error.
+    check_attempt(attempt, frozenset())  # raises the model's own error.
   bad: list[int] = []
   good_upto = 0  # candidates[:good_upto] minus bad trace together.
   while True:

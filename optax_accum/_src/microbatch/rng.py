@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from optax_accum._src.mesh import readers
 
 
-def check(rng: Any) -> Any:
+def check_rng(rng: Any) -> Any:
   """Returns ``rng`` if it is a PRNG key or None; raises naming it otherwise.
 
   A key is a typed key (:func:`jax.random.key`) or a raw ``uint32`` key

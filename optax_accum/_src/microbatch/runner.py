@@ -1,6 +1,7 @@
 """The runner: one driver of every entry point, in every parallel form.
 
-:func:`run` finds the form of the call (:func:`forms.detect`; the four forms,
+:func:`run` finds the form of the call (:func:`forms.detect_form`; the four
+forms,
 ``single``, ``manual``, ``auto`` and ``typed``, are told in
 ``docs/distributed.md``), builds the one :class:`layout.Layout` of that
 form, and runs the entry point's stages through it:
@@ -49,7 +50,7 @@ class Settings(NamedTuple):
 def run(program: layout.Program, settings: Settings, params: Any,
         inputs: loss_signature.Inputs) -> layout.Result:
   """Runs ``program`` on ``params`` and ``inputs`` in the form of the call."""
-  form = forms.detect(settings.axis_name, params, inputs.batch,
+  form = forms.detect_form(settings.axis_name, params, inputs.batch,
                       batching.leaf_axes(inputs.batch, settings.batch_axes))
   with forms.entered(form):
     _check(form, settings, inputs)

@@ -87,7 +87,8 @@ class TypedLayout(NamedTuple):
 
   def _whole_spec(self, i: int, ndim: int, *, reduced: bool) -> P:
     """Leaf ``i`` held whole over the data axes (its model axes kept)."""
-    entries = readers.drop_axes(self.targets[i], readers.axes_of(self.axis_name), ndim)
+    entries = readers.drop_axes(self.targets[i],
+                                readers.axes_of(self.axis_name), ndim)
     return P(*entries, reduced=self._data() if reduced else frozenset())
 
   def _sharded(self, i: int) -> bool:
@@ -101,12 +102,14 @@ class TypedLayout(NamedTuple):
 
   def _unreduced_over_rest(self, i: int) -> P:
     """Sharded like the parameter, unreduced over the other data axes."""
-    rest = self._data() - set(readers.data_axes_in(self.targets[i], self.axis_name))
+    rest = self._data() - set(
+        readers.data_axes_in(self.targets[i], self.axis_name))
     return P(*readers.partitions(self.targets[i]), unreduced=rest)
 
   def _whole_partial(self, i: int, ndim: int) -> P:
     """A whole gradient's type: unreduced over every data axis."""
-    entries = readers.drop_axes(self.targets[i], readers.axes_of(self.axis_name), ndim)
+    entries = readers.drop_axes(self.targets[i],
+                                readers.axes_of(self.axis_name), ndim)
     return P(*entries, unreduced=self._data())
 
   def _sum_spec(self, i: int, ndim: int) -> P:
@@ -186,7 +189,7 @@ class TypedLayout(NamedTuple):
     local = []  # (leaf, partial gradient, what it is added to)
     for i, (s, g) in enumerate(zip(sums, grads)):
       if not self.reduced[i]:
-        out[i] = grad_reduction_lib.add(s, g, c, [rules[i]])
+        out[i] = grad_reduction_lib.add_by_rule(s, g, c, [rules[i]])
         continue
       g = self._as_partial(g, i)
       base = s if not self._syncs_in_loop(i) else jnp.zeros(
@@ -230,7 +233,7 @@ class TypedLayout(NamedTuple):
             sums, [self._as_partial(leaves[i], i) for i in group], c,
             loss_reduction, count_tokens, microbatch, self.axis_name))
       else:
-        out.append(noise_scale.add(sums, [leaves[i] for i in group], c,
+        out.append(noise_scale.add_sq_norms(sums, [leaves[i] for i in group], c,
                                    loss_reduction))
     return out
 
@@ -356,7 +359,7 @@ def build_typed(
 
   ``local(layout)`` runs the call's *local* stage under a layout.
   """
-  rules = grad_reduction_lib.per_leaf(grad_reduction, params)
+  rules = grad_reduction_lib.rules_per_leaf(grad_reduction, params)
   leaves, treedef = jax.tree.flatten(params)
   means = [rules is None or r == grad_reduction_lib.MEAN
            for r in (rules or [None] * len(leaves))]

@@ -123,9 +123,11 @@ def value_and_grad(
       loss_reduction=validation.check_loss_reduction(loss_reduction),
       accumulator_dtype=validation.check_accumulator_dtypes(
           accumulator_dtype),
-      aux_reduction=aux_reduction_lib.check(aux_reduction, has_aux),
+      aux_reduction=aux_reduction_lib.check_aux_reduction(aux_reduction,
+                                                          has_aux),
       with_stats=validation.check_bool("with_stats", with_stats),
-      grad_reduction=grad_reduction_lib.check(grad_reduction, axis_name),
+      grad_reduction=grad_reduction_lib.check_grad_reduction(grad_reduction,
+                                                             axis_name),
   )
   settings = runner.Settings(
       axis_name=validation.check_axis_name(axis_name),
@@ -156,7 +158,7 @@ def value_and_grad(
     model_state, batch, args = loss_signature.split_call_args(
         rest, has_state)
     inputs = loss_signature.Inputs(
-        model_state, batch, args, kwargs, rng_lib.check(rng),
+        model_state, batch, args, kwargs, rng_lib.check_rng(rng),
         loop_lib.check_num_real(num_real_microbatches, opts.num_microbatches))
     result = runner.run(program, settings, params, inputs)
     result = result._replace(aux=aux_reduction_lib.merge(result.aux))

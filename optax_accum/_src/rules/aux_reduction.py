@@ -44,7 +44,7 @@ class Parts(NamedTuple):
   reduced: Any  # reduced over micro-batches (and devices).
 
 
-def check(aux_reduction: Any, has_aux: bool) -> Any:
+def check_aux_reduction(aux_reduction: Any, has_aux: bool) -> Any:
   """Returns ``aux_reduction`` if every leaf is one of :data:`REDUCTIONS`."""
   leaves = jax.tree.leaves(aux_reduction)
   for leaf in leaves or [aux_reduction]:
@@ -66,7 +66,7 @@ def is_running(aux_reduction: Any) -> bool:
   return any(leaf != "stack" for leaf in jax.tree.leaves(aux_reduction))
 
 
-def per_leaf(aux_reduction: Any, aux: Any) -> list[str]:
+def aux_rules_per_leaf(aux_reduction: Any, aux: Any) -> list[str]:
   """The reduction of each leaf of ``aux``, in order."""
   return validation.prefix_leaves("aux_reduction", aux_reduction, aux, "aux")
 
@@ -141,7 +141,7 @@ def join_extrema(sums: list[Any], reductions: list[str], maxima: list[Any],
   return Running(sums, extrema)
 
 
-def finish(running: Running, stacked: list[Any], reductions: list[str],
+def finish_aux(running: Running, stacked: list[Any], reductions: list[str],
            shapes: list[Any], tokens: jax.Array, treedef: Any) -> Parts:
   """``aux`` from the running reductions (already over devices) and stacks.
 

@@ -34,11 +34,12 @@ MEAN, MAX, LAST = "mean", "max", "last"
 REDUCTIONS = (MEAN, MAX, LAST)
 
 
-def check(grad_reduction: Any, axis_name: Any) -> Any:
+def check_grad_reduction(grad_reduction: Any, axis_name: Any) -> Any:
   """``grad_reduction`` if every leaf is a known rule (construction time).
 
   Returns None for a single "mean": the plain sum, unchanged. A tree, even
-  of "mean" only, is kept, so that :func:`per_leaf` checks that it fits the
+  of "mean" only, is kept, so that :func:`rules_per_leaf` checks that it fits
+  the
   gradient (a misspelt key would otherwise go unnoticed).
   """
   leaves = jax.tree_util.tree_flatten_with_path(grad_reduction)[0]
@@ -64,7 +65,7 @@ def check(grad_reduction: Any, axis_name: Any) -> Any:
   return grad_reduction
 
 
-def per_leaf(grad_reduction: Any, tree: Any) -> list[str] | None:
+def rules_per_leaf(grad_reduction: Any, tree: Any) -> list[str] | None:
   """The rule of each leaf of ``tree``, in order; None if all are "mean"."""
   if grad_reduction is None:
     return None
@@ -108,11 +109,11 @@ def start(total: Any, rules: list[str] | None) -> Any:
               if r == MAX else s, rules, total)
 
 
-def add(total: Any, grads: Any, c: token_weighting.Contribution,
+def add_by_rule(total: Any, grads: Any, c: token_weighting.Contribution,
         rules: list[str] | None) -> Any:
   """Adds one micro-batch to the running values, each leaf by its rule."""
   if rules is None:
-    return token_weighting.add(total, grads, c)
+    return token_weighting.add_weighted(total, grads, c)
 
   def add_leaf(rule, s, g):
     if rule == MEAN:
@@ -124,7 +125,7 @@ def add(total: Any, grads: Any, c: token_weighting.Contribution,
   return _map(add_leaf, rules, total, grads)
 
 
-def finish(total: Any, token_count: jax.Array, like: Any,
+def mean_by_rule(total: Any, token_count: jax.Array, like: Any,
            rules: list[str] | None) -> Any:
   """The reduced gradient, cast leaf by leaf like ``like``.
 

@@ -83,7 +83,7 @@ def sq_norm(tree: Any) -> jax.Array:
   )
 
 
-def add(
+def add_sq_norms(
     sums: StatsSums,
     grads: Any,
     contribution: token_weighting.Contribution,

@@ -150,7 +150,7 @@ def weighted(x: jax.Array, c: Contribution, dtype: Any) -> jax.Array:
   return jnp.where(c.keep, term, jnp.zeros([], dtype))
 
 
-def add(total: Any, grads: Any, c: Contribution) -> Any:
+def add_weighted(total: Any, grads: Any, c: Contribution) -> Any:
   """Adds a micro-batch's weighted gradient to a running sum, leaf by leaf.
 
   Each gradient leaf is reshaped to its sum's shape, so a sum may carry

@@ -268,4 +268,4 @@ def collectives(program: Any, mesh: Any = None) -> list[Collective]:
   text, devices = _read(program)
   positions = None if mesh is None else _logical_to_mesh_position(
       devices, mesh)
-  return hlo_text.collectives(text, positions, mesh)
+  return hlo_text.parse_collectives(text, positions, mesh)

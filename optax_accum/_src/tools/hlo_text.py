@@ -4,7 +4,7 @@ A parser of the optimized HLO that XLA prints (``compiled.as_text()``): its
 computations and their instructions, the while loops and conditionals that
 call computations, the shapes of results, and the device groups of
 collectives (listed replica groups, source-target pairs, XLA's iota lists,
-Shardy's mesh axes), read as the mesh axes they span. :func:`collectives`
+Shardy's mesh axes), read as the mesh axes they span. :func:`parse_collectives`
 walks it into one :class:`Collective` per collective instruction. It reads
 text only; ``hlo`` reads compiled programs and counts what this finds.
 """
@@ -274,7 +274,7 @@ def _concatenates_scalars(rest: str, computation: str,
           and all(_elements(line) <= 1 for line in params))
 
 
-def collectives(text: str, positions: Any = None,
+def parse_collectives(text: str, positions: Any = None,
                 mesh: Any = None) -> list[Collective]:
   """Every collective of the HLO ``text``, walking loops and branches.
 

@@ -351,7 +351,7 @@ def plan_microbatches(
                                            c.memory_bytes))
         return Plan(
             best.num_microbatches, best.gradient_sync, best.gather_params,
-            planner_step.build(step, k, fsdp.Policy(*best[1:3])),
+            planner_step.build_step(step, k, fsdp.Policy(*best[1:3])),
             best.memory_bytes, best.collectives_per_update, Table(table))
   raise _no_fit(Table(table), budget)
 
@@ -362,7 +362,7 @@ def _candidate(step: planner_step.Step, k: int, chosen: fsdp.Policy,
   key = _key(step, k, chosen)
   measured = _cache.get(key) if key is not None else None
   if measured is None:
-    measured = _measure(planner_step.build(step, k, chosen), step)
+    measured = _measure(planner_step.build_step(step, k, chosen), step)
     if key is not None:
       if len(_cache) >= _CACHE_SIZE:
         del _cache[next(iter(_cache))]

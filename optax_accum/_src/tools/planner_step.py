@@ -73,7 +73,7 @@ def checked_step(loss_fn, operands, rng, loss_kwargs, encode_fn, wrap,
   return Step(loss_fn, encode_fn, wrap, vg_kwargs, operands, call_kwargs)
 
 
-def build(step: Step, k: int, chosen: fsdp.Policy) -> Callable:
+def build_step(step: Step, k: int, chosen: fsdp.Policy) -> Callable:
   """The value-and-grad function of a candidate's settings."""
   if step.encode_fn is not None:
     return coupled.coupled_value_and_grad(
@@ -147,9 +147,9 @@ def _rows_seen_inside(step: Step) -> int:
     return fn(*args, **kwargs)
 
   if step.encode_fn is not None:
-    probed = build(step._replace(encode_fn=probe), 1, fsdp.Policy())
+    probed = build_step(step._replace(encode_fn=probe), 1, fsdp.Policy())
   else:
-    probed = build(step._replace(loss_fn=probe), 1, fsdp.Policy())
+    probed = build_step(step._replace(loss_fn=probe), 1, fsdp.Policy())
   jax.eval_shape(step.wrap(probed), *step.operands, **step.call_kwargs)
   return seen[0]
 

@@ -1,0 +1,77 @@
+"""The report of test_compiled_gpu.py, in its own process (not a test).
+
+Usage: python compiled_gpu_worker.py
+
+The CUDA plugin offers compile-only GPUs (``zoo.compile_only``) only to a
+process that starts jax on the CPU platform, so test_compiled_gpu.py runs
+this script with the repository root on ``PYTHONPATH`` and reads the JSON
+it prints last: the collectives of the typed form compiled for 8 H100s.
+"""
+
+import json
+import warnings
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+import optax_accum as oa
+from optax_accum._src.tools import hlo
+from zoo import compile_only as co
+from zoo import typed_model as tm
+
+
+def gpu_report() -> dict:
+  """What test_compiled_gpu.py checks, read from 8 compile-only H100s.
+
+  Run in a child process: the CUDA plugin offers compile-only GPUs only when
+  jax starts on the CPU platform (``jax_platforms="cpu"`` before any use).
+  """
+  devices = co.gpu_devices()
+  out = {"device_kind": devices[0].device_kind}
+  for name, shape, names, axes in (
+      ("data x tensor", (4, 2), ("data", "tensor"), {"tensor": "tensor"}),
+      ("fsdp", (8,), ("fsdp",), {"fsdp": "fsdp"})):
+    mesh_ = co.mesh(devices, shape, names)
+    cfg = tm.Config(vocab=512, seq=128, dim=128, heads=4, ffn=512, layers=1,
+                    batch_axes=(names[0],), **axes)
+    params = co.abstract(jax.eval_shape(lambda cfg=cfg: tm.init(cfg)),
+                         mesh_, tm.specs(cfg))
+    data = jax.eval_shape(lambda cfg=cfg: tm.batch(cfg, 64))
+    spec = P(names[0])
+    data = co.abstract(data, mesh_, jax.tree.map(lambda _, s=spec: s, data))
+    fn = oa.value_and_grad(tm.loss_fn(cfg), num_microbatches=4,
+                           num_tokens_fn=tm.num_tokens)
+    with jax.set_mesh(mesh_), warnings.catch_warnings():
+      warnings.simplefilter("ignore", UserWarning)
+      compiled = jax.jit(fn).lower(params, data).compile()
+    text = compiled.as_text()
+    out[name] = {
+        "same_counts": all(
+            oa.count_collectives(compiled, mesh=mesh_, **kw)
+            == oa.count_collectives(text, mesh=mesh_, **kw)
+            for kw in ({}, {"include_scalars": False})),
+        # Every data-axis collective that is left with include_scalars=False
+        # is gradient-sized: no combined scalars among them.
+        "small_unscalar": [
+            c.nbytes for c in hlo.collectives(compiled, mesh_)
+            if set(c.axes) & {names[0]} and not c.scalar
+            and c.nbytes < co.MIN_GRADIENT_BYTES],
+        "combined_scalars": sum(
+            1 for c in hlo.collectives(compiled, mesh_)
+            if c.scalar and _elements_of(c) > 1),
+        "reductions": [[c.collective, c.nbytes, c.looped] for c in
+                       co.data_reductions(compiled, mesh_, (names[0],))],
+        "pos_bytes": cfg.seq * cfg.dim * 4,
+        "replicated_bytes": co.replicated_bytes(params, names[0]),
+    }
+  return out
+
+
+def _elements_of(c) -> int:
+  """A scalar collective's result size, in 4-byte elements (f32 or s32)."""
+  return c.nbytes // 4
+
+
+if __name__ == "__main__":
+  jax.config.update("jax_platforms", "cpu")  # before any backend starts.
+  print(json.dumps(gpu_report()))

@@ -1,0 +1,134 @@
+"""Tests of oa.apply_if_updated: optax.apply_updates, only on emitting calls."""
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import helpers
+import optax_accum as oa
+
+# nnx.pure became nnx.as_pure in newer flax; the oldest flax we support has
+# only the former.
+_pure = getattr(nnx, "as_pure", None) or nnx.pure
+
+
+def _params():
+  return {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2),
+          "b": jnp.ones(2, jnp.bfloat16)}
+
+
+def _grads(seed):
+  keys = jax.random.split(jax.random.key(seed))
+  return {"w": jax.random.normal(keys[0], (3, 2)),
+          "b": jax.random.normal(keys[1], (2,), jnp.bfloat16)}
+
+
+def _train_step(tx, apply):
+  @jax.jit
+  def step(params, state, grads, tokens):
+    updates, state = tx.update(grads, state, params, num_tokens=tokens)
+    return apply(params, updates, state), state
+  return step
+
+
+def _apply_always(params, updates, state):
+  del state
+  return optax.apply_updates(params, updates)
+
+
+def test_same_trajectory_as_apply_updates_and_untouched_between_emits():
+  # The optimizer state lives inside a chain: the lookup finds it.
+  tx = optax.chain(optax.scale(2.0),
+                   oa.accumulate(optax.adam(0.1), every_k=3))
+  ours, theirs = (_train_step(tx, apply)
+                  for apply in (oa.apply_if_updated, _apply_always))
+  params = theirs_params = _params()
+  state = theirs_state = tx.init(params)
+  for i in range(7):
+    before = params
+    params, state = ours(params, state, _grads(i), 1.0 + i)
+    theirs_params, theirs_state = theirs(theirs_params, theirs_state,
+                                         _grads(i), 1.0 + i)
+    helpers.assert_trees_equal(params, theirs_params)
+    if not oa.has_updated(state):
+      helpers.assert_trees_equal(params, before)
+    else:
+      assert not helpers.trees_close(params, before)
+  assert int(oa.find_accumulate_state(state).count) == 2
+  dtype = lambda x: x.dtype
+  assert jax.tree.map(dtype, params) == jax.tree.map(dtype, _params())
+
+
+def _top_level_primitives(fn, *args):
+  return {eqn.primitive.name for eqn in jax.make_jaxpr(fn)(*args).eqns}
+
+
+def test_the_add_is_inside_the_conditional():
+  tx = oa.accumulate(optax.sgd(1.0), every_k=2, equal_weights=True)
+  params = {"w": jnp.ones(3)}
+  updates, state = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
+  ours = _top_level_primitives(oa.apply_if_updated, params, updates, state)
+  # The negative control: apply_updates adds on every call.
+  plain = _top_level_primitives(_apply_always, params, updates, state)
+  assert "add" in plain and "cond" not in plain
+  assert "add" not in ours and "cond" in ours
+
+
+def test_refuses_a_state_without_ours():
+  params = {"w": jnp.ones(2)}
+  with pytest.raises(ValueError, match=r"^state must contain an Accumulate"):
+    oa.apply_if_updated(params, params, optax.sgd(1.0).init(params))
+  with pytest.raises(ValueError, match=r"^state must contain.*NoneType"):
+    oa.apply_if_updated(params, params, None)
+
+
+def test_refuses_updates_not_shaped_like_the_params():
+  tx = oa.accumulate(optax.sgd(1.0), every_k=2, equal_weights=True)
+  params = {"w": jnp.ones(2), "b": jnp.ones(())}
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"^updates must have the tree"):
+    oa.apply_if_updated(params, {"w": jnp.ones(2)}, state)
+  with pytest.raises(ValueError, match=r"updates\['w'\] has shape \(3,\)"):
+    oa.apply_if_updated(params, {"w": jnp.ones(3), "b": jnp.ones(())}, state)
+
+
+def test_nnx_without_optimizer_update_matches_nnx_optimizer():
+  # nnx.Optimizer.update adds the (zero) updates itself: the documented
+  # alternative calls the transformation and writes the parameters back.
+  def make():
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    tx = oa.accumulate(optax.adamw(0.1), every_k=2)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  def loss_fn(model, x):
+    return (model(x) ** 2).mean()
+
+  @nnx.jit
+  def reference_step(model, optimizer, x):
+    grads = nnx.grad(loss_fn)(model, x)
+    optimizer.update(model, grads, num_tokens=x.shape[0])
+
+  @nnx.jit
+  def our_step(model, optimizer, x):
+    grads = nnx.grad(loss_fn)(model, x)
+    params = _pure(nnx.state(model, nnx.Param))
+    opt_state = _pure(optimizer.opt_state)
+    updates, opt_state = optimizer.tx.update(
+        _pure(grads), opt_state, params,
+        num_tokens=x.shape[0])
+    nnx.update(model, oa.apply_if_updated(params, updates, opt_state))
+    nnx.update(optimizer.opt_state, nnx.state(opt_state))
+
+  (ref_model, ref_opt), (model, opt) = make(), make()
+  rng = np.random.default_rng(0)
+  for rows in (1, 4, 2, 3, 5):
+    x = jnp.asarray(rng.normal(size=(rows, 3)), jnp.float32)
+    reference_step(ref_model, ref_opt, x)
+    our_step(model, opt, x)
+    helpers.assert_trees_close(nnx.state(model, nnx.Param),
+                               nnx.state(ref_model, nnx.Param), rtol=1e-5,
+                               atol=1e-6)
+  assert int(oa.find_accumulate_state(opt.opt_state).count) == 2

@@ -1,0 +1,254 @@
+"""How oa.value_and_grad calls loss_fn: mistakes named at trace time.
+
+- ``has_aux=False`` with a loss that returns ``(loss, aux)`` names
+  ``has_aux`` (it used to end in a TracerArrayConversionError from our own
+  scalar check).
+- A loss that needs ``rng``, called without ``rng=`` or with the key passed
+  positionally, names ``rng=`` (it used to be a plain Python TypeError, or,
+  for a positional ``rng`` parameter, one key silently shared by every
+  micro-batch).
+- Losses that take their key in other ways get no false alarm.
+"""
+
+import functools
+import re
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import optax_accum as oa
+
+K = 2
+
+
+def _batch():
+  return {"x": jnp.arange(8.0).reshape(4, 2)}
+
+
+def _mse(w, mb):
+  return jnp.mean((mb["x"] @ w) ** 2)
+
+
+def _dropout(w, mb, rng):
+  keep = jax.random.bernoulli(rng, 0.5, mb["x"].shape)
+  return _mse(w, {"x": jnp.where(keep, mb["x"], 0.0)})
+
+
+def _fn(loss_fn, **kwargs):
+  return jax.jit(oa.value_and_grad(loss_fn, num_microbatches=K,
+                                   equal_weights=True, **kwargs))
+
+
+# --------------------------------------------------------------------------
+# has_aux
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_loss_returning_loss_and_aux_without_has_aux_names_has_aux(jit):
+  def loss_and_aux(w, mb):
+    return _mse(w, mb), {"norm": jnp.sum(w ** 2)}
+
+  fn = oa.value_and_grad(loss_and_aux, num_microbatches=K,
+                         equal_weights=True)
+  fn = jax.jit(fn) if jit else fn
+  with pytest.raises(TypeError, match=r"returned a tuple of 2 but"
+                     r" has_aux=False.*has_aux=True"):
+    fn(jnp.ones(2), _batch())
+  (_, aux), _ = _fn(loss_and_aux, has_aux=True)(jnp.ones(2), _batch())
+  assert aux["norm"].shape == (K,)
+
+
+def test_loss_returning_a_dict_names_the_scalar_loss():
+  fn = _fn(lambda w, mb: {"loss": _mse(w, mb)})
+  with pytest.raises(TypeError, match=r"must return a scalar loss.*dict"):
+    fn(jnp.ones(2), _batch())
+
+
+# --------------------------------------------------------------------------
+# rng
+
+
+def _keyword_only(w, mb, *, rng):
+  return _dropout(w, mb, rng)
+
+
+@pytest.mark.parametrize("loss_fn", [_keyword_only, _dropout],
+                         ids=["keyword_only", "positional"])
+def test_loss_needing_rng_called_without_it_names_rng(loss_fn):
+  with pytest.raises(TypeError, match=r"parameter rng has no default.*"
+                     r"without rng=.*fn\(params, batch, \*args, rng=key\)"):
+    _fn(loss_fn)(jnp.ones(2), _batch())
+
+
+@pytest.mark.parametrize("key", [jax.random.key(0), jax.random.PRNGKey(0)],
+                         ids=["typed", "raw"])
+def test_key_passed_positionally_names_rng(key):
+  with pytest.raises(TypeError, match=r"positional argument 0 after the"
+                     r" batch is a PRNG key.*rng=key"):
+    _fn(_keyword_only)(jnp.ones(2), _batch(), key)
+  # A positional rng parameter would take it, one key for every
+  # micro-batch: the same dropout mask everywhere, silently. Refused too.
+  with pytest.raises(TypeError, match=r"the same key for every"
+                     r" micro-batch.*rng=key"):
+    _fn(_dropout)(jnp.ones(2), _batch(), key)
+
+
+def test_rng_given_to_a_loss_without_rng_names_rng():
+  with pytest.raises(TypeError, match=r"called with rng=.*takes no rng"
+                     r" parameter"):
+    _fn(_mse)(jnp.ones(2), _batch(), rng=jax.random.key(0))
+
+
+def test_losses_that_take_their_key_otherwise_raise_nothing():
+  key, w, batch = jax.random.key(0), jnp.ones(2), _batch()
+
+  def star_args(*args, **kwargs):
+    return _keyword_only(*args, **kwargs)
+
+  def star_positional(*args):  # a wrapper: nothing to tell from its *args.
+    return _dropout(*args)
+
+  def var_kwargs(w, mb, **kwargs):
+    return _keyword_only(w, mb, rng=kwargs["rng"])
+
+  def optional(w, mb, *, rng=None):
+    return _mse(w, mb) if rng is None else _keyword_only(w, mb, rng=rng)
+
+  def other_key(w, mb, noise_key):  # a key, not named rng: the user's own.
+    return _dropout(w, mb, noise_key)
+
+  class Model(nnx.Module):
+    def __call__(self, w, mb, *, rng):
+      return _keyword_only(w, mb, rng=rng)
+
+  for loss_fn, args, kwargs in [
+      (_keyword_only, (), {"rng": key}),
+      (_dropout, (), {"rng": key}),  # positional, passed by keyword: fine.
+      (star_args, (), {"rng": key}),
+      (star_positional, (key,), {}),
+      (var_kwargs, (), {"rng": key}),
+      (optional, (), {}),
+      (optional, (), {"rng": key}),
+      (functools.partial(_keyword_only, rng=key), (), {}),
+      (functools.partial(_dropout, rng=key), (), {}),
+      (other_key, (key,), {}),
+      (jax.jit(_keyword_only), (), {"rng": key}),
+      (Model(), (), {"rng": key}),
+  ]:
+    loss, _ = _fn(loss_fn)(w, batch, *args, **kwargs)
+    assert jnp.isfinite(loss), loss_fn
+
+
+def test_other_call_mistakes_keep_their_own_error():
+  def needs_scale(w, mb, scale):
+    return scale * _mse(w, mb)
+
+  with pytest.raises(TypeError, match=r"missing 1 required positional"
+                     r" argument: 'scale'"):
+    _fn(needs_scale)(jnp.ones(2), _batch())
+
+
+# --------------------------------------------------------------------------
+# The order of fn's arguments: params, the batch, the rest.
+
+_ORDER = r"params first.*the batch second.*\*args or a closure"
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_function_among_the_params_names_the_leaf_and_partition(jit):
+  """Was JAX's "... is not a valid JAX type" (an unfiltered Equinox model)."""
+  fn = oa.value_and_grad(lambda p, mb: _mse(p["w"], mb), num_microbatches=K,
+                         equal_weights=True)
+  call = lambda mb: fn({"w": jnp.ones(2), "act": jax.nn.relu}, mb)
+  with pytest.raises(TypeError, match=r"params\['act'\] is a .*not an array"
+                     r".*eqx.partition\(model, eqx.is_inexact_array\).*"
+                     + _ORDER):
+    jax.jit(call)(_batch()) if jit else call(_batch())
+
+
+@pytest.mark.parametrize("static, error, message", [
+    ({"act": jax.nn.relu}, TypeError, r"batch\['act'\] is a .*not an array"),
+    ({"act": None}, ValueError, r"at least one array, got \{'act': None\}"),
+    ({"n": 3, "bias": jnp.float32(1)}, ValueError, r"all are scalars"),
+])
+def test_a_batch_that_is_not_the_second_argument_names_the_order(
+    static, error, message):
+  """Equinox's loss(diff, static, batch): the static part taken as the batch.
+
+  Was "pass batch_axes=None for it", or "at least one array" alone.
+  """
+  def eqx_order(w, static, mb):
+    return _mse(w, mb)
+
+  fn = oa.value_and_grad(eqx_order, num_microbatches=K, equal_weights=True)
+  with pytest.raises(error, match=message + r".*second argument\?.*"
+                     + _ORDER):
+    fn(jnp.ones(2), static, _batch())
+  loss, _ = oa.value_and_grad(lambda w, mb, static: eqx_order(w, static, mb),
+                              num_microbatches=K, equal_weights=True)(
+                                  jnp.ones(2), _batch(), static)
+  assert jnp.isfinite(loss)
+
+
+def _tutorial(w, x, y):  # only x is split: y reaches the loss whole.
+  return jnp.mean((x @ w - y) ** 2)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_later_argument_of_the_batchs_size_gets_a_note(jit):
+  """``loss(params, x, y)``: JAX's broadcasting error, with our note."""
+  x = _batch()["x"]
+  fn = oa.value_and_grad(_tutorial, num_microbatches=K, equal_weights=True)
+  fn = jax.jit(fn) if jit else fn
+  with pytest.raises(TypeError, match="incompatible shapes") as info:
+    fn(jnp.ones(2), x, jnp.ones(4))
+  notes = [n for n in getattr(info.value, "__notes__", ())
+           if n.startswith("optax_accum")]
+  assert len(notes) == 1, info.value
+  assert re.search(r"only the batch.* is split into micro-batches \(of 2"
+                   r" rows here\): fn's \*args\[0\] \(leading size 4\)"
+                   r".*fn\(params, \(x, y\)\)", notes[0]), notes[0]
+  # The fix: both in the batch.
+  fixed = oa.value_and_grad(lambda w, b: _tutorial(w, *b),
+                            num_microbatches=K, equal_weights=True)
+  loss, _ = fixed(jnp.ones(2), (x, jnp.ones(4)))
+  np.testing.assert_allclose(loss, _tutorial(jnp.ones(2), x, jnp.ones(4)),
+                             rtol=1e-5)
+
+
+def test_a_keyword_argument_of_the_batchs_size_gets_the_note_too():
+  fn = oa.value_and_grad(lambda w, x, *, y: _tutorial(w, x, y),
+                         num_microbatches=K, equal_weights=True)
+  with pytest.raises(TypeError, match="incompatible shapes") as info:
+    fn(jnp.ones(2), _batch()["x"], y=jnp.ones(4))
+  assert any(n.startswith("optax_accum") and "y= (leading size 4)" in n
+             for n in getattr(info.value, "__notes__", ())), info.value
+
+
+def test_no_note_where_no_later_argument_has_the_batchs_size():
+  fn = oa.value_and_grad(_tutorial, num_microbatches=K, equal_weights=True)
+  with pytest.raises(TypeError, match="incompatible shapes") as info:
+    fn(jnp.ones(2), _batch()["x"], jnp.ones(3))
+  assert not any(n.startswith("optax_accum")
+                 for n in getattr(info.value, "__notes__", ()))
+
+
+@pytest.mark.skipif(not hasattr(P(), "unreduced"),
+                    reason="the typed form needs jax's unreduced types")
+def test_the_note_on_an_explicit_mesh():
+  """The typed form re-raises loss_fn's own error, with the note."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  fn = jax.jit(oa.value_and_grad(_tutorial, num_microbatches=K,
+                                 equal_weights=True))
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.ones((16, 2)), P("data"))
+    y = jax.device_put(jnp.ones(16), P("data"))
+    with pytest.raises(TypeError, match="incompatible shapes") as info:
+      fn(jnp.ones(2), x, y)
+  assert any(n.startswith("optax_accum") and "*args[0] (leading size 16)" in n
+             for n in getattr(info.value, "__notes__", ())), info.value

@@ -1,0 +1,110 @@
+"""Compile-only TPU and GPU devices for the tests of SPEC 11 and benchmark k.
+
+XLA compiles for hardware this machine lacks: with libtpu installed (the
+``tpu`` extra), ``jax.experimental.topologies.get_topology_desc`` gives
+compile-only TPU devices; with the CUDA plugin and ptxas (the ``gpu`` extra)
+and a GPU target config, compile-only GPUs. Programs are lowered from
+abstract inputs (``jax.ShapeDtypeStruct`` with shardings over those
+devices) and compiled; nothing runs. ``tests/compiled/test_compiled_tpu.py``
+and ``tests/compiled/test_compiled_gpu.py`` (through its child process,
+``tests/support/compiled_gpu_worker.py``) use these helpers, and skip, saying
+why, where the extra is not installed; so does
+``benchmarks/bench_compiled.py``.
+"""
+
+import functools
+import importlib.util
+import math
+import os
+import pathlib
+
+import jax
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+import numpy as np
+
+from optax_accum._src.tools import hlo
+
+# The H100 target config of XLA's repository, as jaxlib 0.10.2 parses it.
+H100_CONFIG = pathlib.Path(__file__).parent / "data" / "h100_sxm.txtpb"
+# A reduction of more bytes is gradient-sized; fewer: scalars.
+MIN_GRADIENT_BYTES = 64
+
+
+def missing_tpu() -> str | None:
+  """Why compile-only TPU devices are unavailable here, or None."""
+  if importlib.util.find_spec("libtpu") is None:
+    return ("libtpu is not installed: pip install 'optax-accum[tpu]' to"
+            " compile for TPUs on this machine.")
+  return None
+
+
+def missing_gpu() -> str | None:
+  """Why compile-only GPUs are unavailable here, or None."""
+  for module, extra in (("jax_plugins.xla_cuda12", "jax-cuda12-plugin"),
+                        ("nvidia.cuda_nvcc", "nvidia-cuda-nvcc-cu12")):
+    try:
+      found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+      found = False
+    if not found:
+      return (f"{extra} is not installed: pip install 'optax-accum[gpu]' to"
+              " compile for GPUs on this machine.")
+  return None
+
+
+@functools.cache
+def tpu_devices(topology: str = "v5e:2x4") -> tuple[jax.Device, ...]:
+  """The compile-only TPU devices of ``topology`` (libtpu loads once).
+
+  libtpu refuses to load while another process holds it (a benchmark
+  compiling for a slice, another test run) unless told that this is fine:
+  nothing here runs on a TPU.
+  """
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  return tuple(topologies.get_topology_desc(
+      platform="tpu", topology_name=topology).devices)
+
+
+@functools.cache
+def gpu_devices(topology: str = "1x1x8") -> tuple[jax.Device, ...]:
+  """Compile-only H100s: ``topology`` is slices x hosts x GPUs per host."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  return tuple(topologies.get_topology_desc(
+      platform="cuda", topology=topology,
+      target_config=H100_CONFIG.read_text()).devices)
+
+
+def mesh(devices, shape, names, axis_type=AxisType.Explicit) -> Mesh:
+  return Mesh(np.array(devices).reshape(shape), names,
+              axis_types=(axis_type,) * len(names))
+
+
+def abstract(tree, mesh_, specs):
+  """ShapeDtypeStructs of ``tree``'s leaves, sharded by ``specs``."""
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=NamedSharding(mesh_, s)), tree, specs)
+
+
+def data_reductions(compiled, mesh_, data_axes):
+  """The gradient-sized all-reduces and reduce-scatters over data axes."""
+  return [c for c in hlo.collectives(compiled, mesh_)
+          if c.collective in ("all-reduce", "reduce-scatter")
+          and set(c.axes) & set(data_axes)
+          and c.nbytes >= MIN_GRADIENT_BYTES]
+
+
+def replicated_bytes(params, axis) -> int:
+  """The bytes of the parameters not sharded over ``axis``."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)
+             if axis not in jax.tree.leaves(tuple(x.sharding.spec)))
+
+
+def reduced_bytes(c, mesh_) -> int:
+  """The bytes of gradient a reduction sums (a reduce-scatter's whole)."""
+  if c.collective == "reduce-scatter":
+    return c.nbytes * math.prod(mesh_.shape[a] for a in c.axes)
+  return c.nbytes
