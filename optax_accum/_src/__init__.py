@@ -6,12 +6,13 @@ fails on a cycle or an import that runs back up):
 
 .. code-block:: text
 
-  tools/        opt-in tools, off every hot path
+  tools/                      opt-in tools, off every hot path
   microbatch/   accumulate/   the two entry-point families (neither
                               imports the other)
-  rules/        the arithmetic both families share
-  validation.py, mesh/        argument checks; reading and moving shardings
-  caller_warnings.py          every warning, at the caller's line
+  rules/                      the arithmetic both families share
+  mesh/                       reading and moving shardings
+  validation.py               argument checks, and every warning at the
+  caller_warnings.py          caller's line
 
 **rules/**: the arithmetic both entry points share, with no sharding
 inside. ``token_weighting`` (the one weighting rule, ``num_tokens`` missing),

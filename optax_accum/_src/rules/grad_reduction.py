@@ -28,6 +28,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from optax_accum._src import validation
+from optax_accum._src.mesh import manual
 from optax_accum._src.rules import token_weighting
 
 MEAN, MAX, LAST = "mean", "max", "last"
@@ -164,12 +165,11 @@ def max_over_devices(total: Any, rules: list[str] | None, axis_name: Any,
     return total
   leaves, treedef = jax.tree.flatten(total)
   maxima = lax.pmax([s for s, r in zip(leaves, rules) if r == MAX], axis_name)
-  first = lax.axis_index(axis_name) == 0
   out = []
   for s, rule in zip(leaves, rules):
     if rule == MAX:
       s = maxima.pop(0)
       if keep_on_one_device:
-        s = jnp.where(first, s, jnp.zeros([], s.dtype))
+        s = manual.on_first_device(s, axis_name)
     out.append(s)
   return jax.tree.unflatten(treedef, out)
