@@ -56,7 +56,7 @@ def scatter(leaf: Any, spec: P) -> tuple[Any, set[str]]:
 
 def sum_into_shards(
     tree: Any, specs: Any, extra: Any, axis_name: readers.AxisName,
-    keep_unreduced: bool = False,
+    keep_unreduced: bool = False, scattered: bool = False,
 ) -> tuple[Any, Any]:
   """Sums ``tree`` over ``axis_name``, each leaf into its shard by ``specs``.
 
@@ -65,7 +65,10 @@ def sum_into_shards(
   together, in one collective. With ``keep_unreduced`` (deferred gradient
   sync) the leaves are only reduce-scattered over the axes that shard them
   and left unsummed over the rest: each device keeps its partial, to be
-  typed unreduced over those axes; ``extra`` is still summed.
+  typed unreduced over those axes; ``extra`` is still summed. With
+  ``scattered`` the leaves are already their shards, each summed over the
+  axes that shard it (``gradient_sync="every_microbatch"``): only the
+  remaining axes are summed.
 
   Returns:
     ``(summed tree, summed extra)``.
@@ -75,7 +78,11 @@ def sum_into_shards(
   to_psum = []
   out = [None] * len(leaves)
   for i, (leaf, spec) in enumerate(zip(leaves, spec_leaves)):
-    leaf, used = scatter(leaf, spec)
+    if scattered:
+      used = {a for _, dim_axes in readers.sharded_dims(spec)
+              for a in dim_axes}
+    else:
+      leaf, used = scatter(leaf, spec)
     if keep_unreduced:
       out[i] = leaf
       continue

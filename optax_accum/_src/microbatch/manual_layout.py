@@ -209,27 +209,10 @@ class ManualLayout(NamedTuple):
     same.
     """
     sync = self.policy.gradient_sync
-    if sync in (fsdp.ONCE, fsdp.DEFERRED):
-      return collectives.sum_into_shards(
-          total, self.specs, extra, self.axis_name,
-          keep_unreduced=sync == fsdp.DEFERRED)
-    leaves, treedef = jax.tree.flatten(total)
-    specs = treedef.flatten_up_to(self.specs)
-    whole = [i for i, s in enumerate(specs) if not _is_sharded(s)]
-    out = list(leaves)
-    for i, (leaf, spec) in enumerate(zip(leaves, specs)):
-      if i in whole:
-        continue
-      used = {a for _, dim_axes in readers.sharded_dims(spec)
-              for a in dim_axes}
-      rest = tuple(a for a in readers.axes_of(self.axis_name) if a not in used)
-      # Already summed over the axes it is sharded over.
-      out[i] = collectives.psum(leaf, rest) if rest else leaf
-    summed, extra = collectives.psum(([leaves[i] for i in whole], extra),
-                                  self.axis_name)
-    for i, leaf in zip(whole, summed):
-      out[i] = leaf
-    return treedef.unflatten(out), extra
+    return collectives.sum_into_shards(
+        total, self.specs, extra, self.axis_name,
+        keep_unreduced=sync == fsdp.DEFERRED,
+        scattered=sync == fsdp.EVERY_MICROBATCH)
 
   def gather_rows(self, reps, batch):
     """The representations all-gathered over the axes; ``batch`` stays this
