@@ -54,6 +54,12 @@ def partitions(spec: P) -> tuple[Any, ...]:
                or getattr(spec, "_partitions", ()))
 
 
+def placed_spec(x: Any) -> P | None:
+  """The spec of ``x``'s own sharding: a concrete array's as placed (Auto
+  axes included, which its type does not carry), an aval's as typed."""
+  return getattr(getattr(x, "sharding", None), "spec", None)
+
+
 def plain_spec(x: Any) -> P:
   """``x``'s spec without its reduced and unreduced sets."""
   return P(*partitions(full_spec(x)))

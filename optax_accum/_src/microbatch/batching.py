@@ -144,7 +144,7 @@ def _shards(leaf: Any, axis: int) -> int:
   if spec is None or axis >= len(spec) or spec[axis] is None:
     return 1
   names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
-  sizes = readers.axis_sizes(jax.typeof(leaf).sharding.mesh)
+  sizes = readers.axis_sizes(readers.mesh_of(leaf))
   return math.prod(sizes[n] for n in names)
 
 

@@ -91,7 +91,7 @@ def batch_data_axes(batch: Any, leaf_axes: list[int | None]) -> tuple[str, ...]:
       continue
     spec = readers.explicit_spec(leaf)
     entry = None if spec is None or axis >= len(spec) else spec[axis]
-    mesh = jax.typeof(leaf).sharding.mesh if spec is not None else None
+    mesh = readers.mesh_of(leaf) if spec is not None else None
     names = () if entry is None else tuple(
         n for n in readers.axes_of(entry)
         if readers.axis_sizes(mesh)[n] > 1 and n not in set(
@@ -231,7 +231,7 @@ def _batch_auto_axes(batch: Any, leaf_axes: list[int | None],
 
 def _entry(value: Any, axis: int) -> Any:
   """The mesh axes along ``axis`` in ``value``'s (or its type's) sharding."""
-  spec = getattr(getattr(value, "sharding", None), "spec", None)
+  spec = readers.placed_spec(value)
   entries = () if spec is None else readers.partitions(spec)
   return entries[axis] if axis < len(entries) else None
 
