@@ -38,9 +38,7 @@ def slot_axes(param_spec: P | None,
   Those of ``axis_name`` that do not shard the parameter: over the others
   its gradient is reduce-scattered on every call.
   """
-  used = set()
-  for entry in param_spec or ():
-    used.update(readers.axes_of(entry) if entry is not None else ())
+  used = set(readers.spec_names(param_spec or P()))
   return tuple(a for a in readers.axes_of(axis_name) if a not in used)
 
 

@@ -79,8 +79,7 @@ def sum_into_shards(
   out = [None] * len(leaves)
   for i, (leaf, spec) in enumerate(zip(leaves, spec_leaves)):
     if scattered:
-      used = {a for _, dim_axes in readers.sharded_dims(spec)
-              for a in dim_axes}
+      used = set(readers.spec_names(spec))
     else:
       leaf, used = scatter(leaf, spec)
     if keep_unreduced:
@@ -106,7 +105,7 @@ def sq_norm_of_shards(tree: Any, specs: Any, sq_norm: Any) -> jax.Array:
   leaves, treedef = jax.tree.flatten(tree)
   by_axes: dict[tuple[str, ...], list[Any]] = {}
   for leaf, spec in zip(leaves, treedef.flatten_up_to(specs)):
-    names = tuple(sorted({a for _, d in readers.sharded_dims(spec) for a in d}))
+    names = tuple(sorted(set(readers.spec_names(spec))))
     by_axes.setdefault(names, []).append(leaf)
   total = jnp.zeros([], jnp.float32)
   for names, group in by_axes.items():

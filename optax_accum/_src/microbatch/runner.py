@@ -14,7 +14,7 @@ form, and runs the entry point's stages through it:
 
 The ``auto`` form runs the same stages inside a :func:`jax.shard_map` over
 the Auto data axes (:func:`over_mesh`); the ``typed`` form's layout is built
-from a trace of *local* (:mod:`typed_build`).
+from a trace of *local* (:func:`typed_layout.build_typed`).
 """
 
 from typing import Any, NamedTuple

@@ -28,8 +28,7 @@ def _sq_norm_of_blocks(blocks: list[Any], specs: list[P],
   the model axes that do not shard the leaf)."""
   total = jnp.zeros([], jnp.float32)
   for block, spec in zip(blocks, specs):
-    sharded = {n for e in readers.partitions(spec) if e is not None
-               for n in readers.axes_of(e)}
+    sharded = set(readers.spec_names(spec))
     copies = 1
     for name in jax.sharding.get_abstract_mesh().axis_names:
       if name not in sharded and name not in data:
