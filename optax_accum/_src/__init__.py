@@ -73,7 +73,9 @@ per call:
 
 .. code-block:: text
 
-  transform.py          the factory; update(): detect_sum_layout, once
+  transform.py          the factory; init(): placement.py refuses a
+   |                    wrapper that would skip our update (apply_if_finite
+   |                    outside); update(): detect_sum_layout, once
    |                    (single, manual, typed or slots) -> a
    |                    sum_layout.SumLayout, each form's class beside its
    |                    own logic:
@@ -85,10 +87,14 @@ per call:
    |                                under jit)
    |  add               layout.add: microstep.py (the checks of incoming
    |                    gradients, the drops, the lazy-reset add;
-   |                    add_on_device for the two deferred forms)
+   |                    add_on_device for the two deferred forms), and
+   |                    window_args.py (the extra args' value summed over
+   |                    the window)
    |  emit or skip      lax.cond: layout.reduced (the one reduction per
-   |                    update), then emitting.Emitter (inner on the mean)
-  state.py              AccumulateState, its start and next value
+   |                    update), then emitting.Emitter (inner on the mean,
+   |                    with window_args.for_inner's value and grad)
+  state.py              AccumulateState, its start and next value; a field
+                        it lacks is read from the inner state
 
 ``state_access.py`` reads a state (``find_accumulate_state``,
 ``has_updated``, ``grad_stats``, ``tokens_seen``) and applies its updates
@@ -96,7 +102,9 @@ per call:
 ``reduced_state`` (to save one).
 
 **tools/**: opt-in, off every hot path. ``hlo`` (``count_collectives``,
-on ``hlo_text``'s parser of compiled HLO), ``planner``
+on ``hlo_text``'s parser of compiled HLO), ``self_check``
+(``check_train_step``: the micro-batch loop's trip count and where the
+gradient is reduced, on the same parser), ``planner``
 (``plan_microbatches``, on ``planner_step``'s step), ``reducible_layers``
 (``add_bias``, ``multiply_scale``, ``reducible_layers``).
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import difflib
 import math
 import numbers
+import sys
 from typing import Any
 
 import jax
@@ -86,13 +87,17 @@ def _is_dtype_leaf(x: Any) -> bool:
 
 
 def check_accumulator_dtypes(value: Any) -> Any:
-  """Checks ``accumulator_dtype``: a floating dtype, or a pytree of them.
+  """Checks ``accumulator_dtype``: None, a floating dtype, or a pytree of them.
 
-  A tree is a pytree prefix of the parameters (checked against them at
-  ``init`` or trace time, by :func:`per_leaf_dtypes`). Returns the dtype, or
-  the tree with each leaf a :class:`jnp.dtype`.
+  None (the default, also as a leaf of a tree) stands for :func:`wider_dtype`
+  of each parameter. A tree is a pytree prefix of the parameters (checked
+  against them at ``init`` or trace time, by :func:`per_leaf_dtypes`).
+  Returns None, the dtype, or the tree with each leaf a :class:`jnp.dtype`
+  or None.
   """
-  if _is_dtype_leaf(value) and value is not None:
+  if value is None:
+    return None
+  if _is_dtype_leaf(value):
     return check_accumulator_dtype(value)
   leaves = jax.tree_util.tree_flatten_with_path(value,
                                                 is_leaf=_is_dtype_leaf)[0]
@@ -102,28 +107,55 @@ def check_accumulator_dtypes(value: Any) -> Any:
         f" the parameters with floating dtypes as leaves, got {value!r}."
     )
   for path, leaf in leaves:
-    _floating_dtype(f"accumulator_dtype{jax.tree_util.keystr(path)}", leaf)
-  return jax.tree.map(jnp.dtype, value, is_leaf=_is_dtype_leaf)
+    if leaf is not None:
+      _floating_dtype(f"accumulator_dtype{jax.tree_util.keystr(path)}", leaf)
+  return jax.tree.map(lambda x: None if x is None else jnp.dtype(x), value,
+                      is_leaf=_is_dtype_leaf)
 
 
-def scalar_sum_dtype(accumulator_dtype: Any) -> jnp.dtype:
+def wider_dtype(x: Any) -> jnp.dtype:
+  """The default running sum's dtype for a value like ``x``: the wider of
+  float32 and ``x``'s floating dtype (float32 for bfloat16, float16 and
+  integers; float64 stays float64 under ``jax_enable_x64``)."""
+  dtype = getattr(x, "dtype", None)
+  dtype = jnp.result_type(x) if dtype is None else jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    return jnp.dtype(jnp.float32)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return jnp.promote_types(dtype, jnp.complex64)
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def scalar_sum_dtype(accumulator_dtype: Any, params: Any = None) -> jnp.dtype:
   """The dtype of the loss's and aux's running sums.
 
-  A single ``accumulator_dtype`` is theirs too; with one per leaf (a tree)
-  they stay float32.
+  A single ``accumulator_dtype`` is theirs too. By default (None) and with
+  one per leaf (a tree), the wider of float32 and the widest floating
+  parameter: float64 under ``jax_enable_x64`` with float64 parameters.
   """
   if isinstance(accumulator_dtype, jnp.dtype):
     return accumulator_dtype
-  return jnp.dtype(jnp.float32)
+  widest = jnp.dtype(jnp.float32)
+  for leaf in jax.tree.leaves(params):
+    dtype = wider_dtype(leaf)
+    if jnp.issubdtype(dtype, jnp.floating):
+      widest = jnp.promote_types(widest, dtype)
+  return widest
 
 
 def per_leaf_dtypes(accumulator_dtype: Any, params: Any) -> Any:
-  """``accumulator_dtype`` spread over ``params``: a tree of dtypes like it."""
+  """``accumulator_dtype`` spread over ``params``: a tree of dtypes like it
+  (:func:`wider_dtype` of a parameter where it is None)."""
   if isinstance(accumulator_dtype, jnp.dtype):
     return jax.tree.map(lambda _: accumulator_dtype, params)
+  if accumulator_dtype is None:
+    return jax.tree.map(wider_dtype, params)
   dtypes = prefix_leaves("accumulator_dtype", accumulator_dtype, params,
                          "the parameters", is_leaf=_is_dtype_leaf)
-  return jax.tree.unflatten(jax.tree.structure(params), dtypes)
+  return jax.tree.unflatten(
+      jax.tree.structure(params),
+      [wider_dtype(p) if d is None else d
+       for d, p in zip(dtypes, jax.tree.leaves(params))])
 
 
 def check_axis_name(value: Any) -> str | tuple[str, ...] | None:
@@ -200,6 +232,7 @@ def check_same_structure(
     raise ValueError(
         f"{name} must have the structure of {expected_name}:"
         f" {first_difference(tree, expected, expected_name)}."
+        + _nnx_structure_hint(name, tree, expected, expected_name)
     )
   for path_and_leaf, expected_leaf in zip(
       jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(expected)
@@ -376,3 +409,112 @@ def check_param_leaves(params: Any) -> None:
           " (the arrays to train); the static part stays out of the"
           " optimizer."
       )
+
+
+def _flax_nnx() -> Any:
+  """``flax.nnx`` if it is loaded, else None.
+
+  Looked up, not imported: where nothing has loaded it, no tree holds its
+  types, and optax_accum does not need flax.
+  """
+  return sys.modules.get("flax.nnx")
+
+
+def _holds_variables(nnx: Any, tree: Any) -> bool:
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  return any(map(is_variable, jax.tree.leaves(tree, is_leaf=is_variable)))
+
+
+def _nnx_structure_hint(name: str, tree: Any, expected: Any,
+                       expected_name: str) -> str:
+  """Why an NNX ``tree`` differs from ``expected``, and the fix ("" if not).
+
+  ``nnx.Optimizer.update`` hands the transformation
+  ``nnx.as_pure(nnx.state(grads, wrt))``: only the gradients that are
+  Variables of its ``wrt`` filter, so plain arrays
+  (``nnx.as_pure(grads)``) arrive as a State without them.
+  """
+  nnx = _flax_nnx()
+  if nnx is None:
+    return ""
+  has_variables = _holds_variables(nnx, tree)
+  expects_variables = _holds_variables(nnx, expected)
+  if has_variables and not expects_variables:
+    return (
+        f" {name} holds nnx.Variables, {expected_name} plain arrays: pass"
+        f" nnx.as_pure({name}), or build the state from the same kind of"
+        " tree."
+    )
+  if expects_variables and not has_variables:
+    return (
+        f" {name} holds plain arrays, {expected_name} nnx.Variables: build"
+        " the state from plain arrays,"
+        " tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))."
+    )
+  got, want = len(jax.tree.leaves(tree)), len(jax.tree.leaves(expected))
+  if not isinstance(tree, nnx.State) or got >= want:
+    return ""
+  return (
+      f" {name} arrived as an nnx.State with {got} of the {want} expected"
+      " arrays: nnx.Optimizer.update passes on only the gradients that are"
+      " nnx.Variables of its wrt filter (nnx.state(grads, wrt)), so plain"
+      " arrays, such as nnx.as_pure(grads) gives, are dropped before they"
+      " reach the transformation. Pass grads as nnx.grad returned them:"
+      " optimizer.update(model, grads, num_tokens=...)."
+  )
+
+
+def _variable_sharding(variable: Any) -> Any:
+  """The sharding that flax gives an optimizer state built from ``variable``.
+
+  ``nnx.Optimizer`` copies each Variable's metadata onto its state's leaf,
+  ``optimizer_sharding`` in place of ``out_sharding`` where given (older
+  flax: ``sharding_names``, ``sharding``).
+  """
+  metadata = variable.get_metadata()
+  for key in ("optimizer_sharding", "out_sharding", "sharding_names",
+              "sharding"):
+    if metadata.get(key) is not None:
+      return metadata[key]
+  return None
+
+
+def _names_an_axis(sharding: Any) -> bool:
+  spec = getattr(sharding, "spec", sharding)  # a NamedSharding's spec.
+  if isinstance(spec, (tuple, list)):
+    return any(entry is not None for entry in spec)
+  return bool(spec)
+
+
+def check_slots_fit_params(axis_name: Any, params: Any) -> None:
+  """``tx.init``: refuses ``axis_name`` for params of sharded nnx Variables.
+
+  With ``axis_name`` each running sum has a leading slot axis (a partial sum
+  per device). ``nnx.Optimizer`` gives each state leaf built from a Variable
+  that Variable's sharding, which then names the slot axis: flax fails
+  ("Sharding spec ... does not evenly divide"), or shards the slots over the
+  wrong axis when the sizes happen to divide.
+  """
+  nnx = _flax_nnx()
+  if axis_name is None or nnx is None:
+    return
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(
+      params, is_leaf=is_variable):
+    if not is_variable(leaf):
+      continue
+    sharding = _variable_sharding(leaf)
+    if sharding is None or not _names_an_axis(sharding):
+      continue
+    raise ValueError(
+        f"accumulate(axis_name={axis_name!r}) keeps its running sums with a"
+        " leading slot axis (a partial sum per device), but"
+        f" params{jax.tree_util.keystr(path)} is an nnx.Variable sharded"
+        f" {sharding!r}, and nnx.Optimizer gives the state that sharding,"
+        " which would land on the slot axis. Under jax.jit leave axis_name"
+        " out: oa.accumulate(inner, every_k=...) reads the data axes off the"
+        " gradients' types (unreduced gradients carry their axes), as"
+        " docs/distributed.md says. axis_name is for tx.update inside"
+        " jax.shard_map or jax.pmap, on a state built from plain arrays:"
+        " tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))."
+    )

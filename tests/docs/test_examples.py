@@ -55,13 +55,13 @@ def test_train_lm_accumulation_follows_the_full_batch_and_naive_does_not(
 @pytest.mark.parametrize("script", [
     "train_lm/main", "mesh_2d/main", "batchnorm_linen", "resume",
     "scan_train_step", "contrastive/main", "noise_scale/main", "plan",
-    "no_sync"])
+    "no_sync", "rl_token_level/main"])
 def test_help_gives_every_flag_a_help_text_and_its_default(
     script, monkeypatch):
   helpers.assert_flags_have_help_and_defaults(script, monkeypatch)
 
 
-@pytest.mark.parametrize("example", ["train_lm", "mesh_2d"])
+@pytest.mark.parametrize("example", ["train_lm", "mesh_2d", "rl_token_level"])
 def test_folder_examples_run_as_scripts_from_anywhere(example, tmp_path):
   """``python examples/<example>/main.py`` finds its sibling modules."""
   script = EXAMPLES / example / "main.py"
@@ -149,6 +149,33 @@ def test_no_sync_reduces_once_per_update_and_is_the_full_batch_step(capsys):
   for r in results.values():
     assert r["error"] < 1e-6, results
   assert "1 gradient all-reduce(s) per update" in capsys.readouterr().out
+
+
+def test_rl_token_level_sum_losses_are_the_full_batch_and_naive_is_not(
+    capsys):
+  """GRPO/DAPO token-level normalisation over micro-batches of uneven lengths.
+
+  Each micro-batch's loss is the sum of its tokens' terms, accumulated with
+  ``loss_reduction="sum"`` and ``num_tokens``: the full batch's step. The
+  negative control: each micro-batch's mean, averaged over k, is not.
+  """
+  example = helpers.import_example("rl_token_level/main")
+  results = example.main(["--prompts", "4", "--group", "4", "--max-len", "32",
+                          "--k", "4", "--steps", "2"])
+
+  for name in ("accumulate", "one_call"):
+    assert results["grad_error"][name] < 1e-5, results
+    assert results["param_error"][name] < 1e-5, results
+    np.testing.assert_allclose(results["loss"][name],
+                               results["loss"]["full_batch"], rtol=1e-5)
+  assert results["exact"]
+  assert results["grad_error"]["naive"] > 0.05, results
+  assert results["param_error"]["naive"] > 1e-2, results
+  assert abs(results["loss"]["naive"] - results["loss"]["full_batch"]) > 1e-4
+  # The micro-batches' completion tokens are very uneven: the point.
+  tokens = results["microbatch_tokens"]
+  assert np.all(np.diff(tokens) > 0) and tokens[-1] > 3 * tokens[0], tokens
+  assert "take the full batch's step: True" in capsys.readouterr().out
 
 
 def test_readme_snippets_run():

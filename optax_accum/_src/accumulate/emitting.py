@@ -18,6 +18,7 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
+from optax_accum._src.accumulate import window_args
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import readers
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
@@ -31,6 +32,7 @@ class Cycle(NamedTuple):
   grad_sum: Any  # like params; per device under axis_name.
   token_count: jax.Array  # per device under axis_name.
   stats_sums: noise_scale.StatsSums | None  # None without with_stats.
+  value_sums: window_args.ValueSums  # the window's value; per device too.
 
 
 class Emitted(NamedTuple):
@@ -50,22 +52,22 @@ class Emitter(NamedTuple):
 
   inner: optax.GradientTransformationExtraArgs
   params: Any
-  extra_args: dict[str, Any]
+  extra_args: dict[str, Any]  # as given: see window_args.for_inner.
   like_grads: Any  # the gradients' tree: the mean takes their dtypes.
   like_updates: Any  # ShapeDtypeStructs of inner's updates.
   rules: list[str] | None  # grad_reduction per leaf; None: all "mean".
 
-  def run_inner(self, grad_sum, token_count, inner_state):
+  def run_inner(self, grad_sum, token_count, value_sums, inner_state):
     mean = grad_reduction_lib.mean_by_rule(
-        grad_sum, token_count, self.like_grads,
-                                     self.rules)
+        grad_sum, token_count, self.like_grads, self.rules)
     updates, new_state = self.inner.update(
-        mean, inner_state, self.params, **self.extra_args
+        mean, inner_state, self.params,
+        **window_args.for_inner(self.extra_args, value_sums, mean)
     )
     return updates, optax.tree.cast_like(new_state, inner_state)
 
-  def skip_inner(self, grad_sum, token_count, inner_state):
-    del grad_sum, token_count
+  def skip_inner(self, grad_sum, token_count, value_sums, inner_state):
+    del grad_sum, token_count, value_sums
     return zeros_typed_like(self.like_updates), inner_state
 
   def emit(self, cycle: Cycle, inner_state, stats) -> Emitted:
@@ -74,7 +76,7 @@ class Emitter(NamedTuple):
     updated = token_weighting.has_tokens(cycle.token_count)
     updates, inner_state = lax.cond(
         updated, self.run_inner, self.skip_inner, cycle.grad_sum,
-        cycle.token_count, inner_state,
+        cycle.token_count, cycle.value_sums, inner_state,
     )
     return Emitted(updates, inner_state, updated,
                    _stats_of(cycle, self.rules),
@@ -82,7 +84,7 @@ class Emitter(NamedTuple):
 
   def skip(self, cycle: Cycle, inner_state, stats) -> Emitted:
     updates, inner_state = self.skip_inner(
-        cycle.grad_sum, cycle.token_count, inner_state
+        cycle.grad_sum, cycle.token_count, cycle.value_sums, inner_state
     )
     return Emitted(updates, inner_state, jnp.bool_(False), stats,
                    jnp.zeros([], jnp.float32))
@@ -108,7 +110,10 @@ def emitter(inner, reduced_grads, grads, inner_state, params, extra_args,
   (shapes only), ``grads`` the incoming ones, whose dtypes the mean takes.
   """
   like_updates = jax.eval_shape(
-      lambda g, s: inner.update(g, s, params, **extra_args)[0],
+      lambda g, s: inner.update(
+          g, s, params, **window_args.for_inner(
+              extra_args, window_args.zeros(lambda d: jnp.zeros([], d)), g)
+      )[0],
       reduced_grads, inner_state,
   )
   return Emitter(inner, params, extra_args, grads, like_updates, rules)

@@ -29,11 +29,12 @@ class ManualSums(NamedTuple):
 
   axis_name: readers.AxisName
 
-  def add(self, updates, state, params, num_tokens, tokens, settings):
+  def add(self, updates, state, params, num_tokens, tokens, settings, value):
     updates = microstep.checked_grads(updates, state.grad_sum, num_tokens,
                                       slot_axis=True,
                                       local_over=self.axis_name)
-    return microstep.add_local(updates, state, params, tokens, settings)
+    return microstep.add_local(updates, state, params, tokens, settings,
+                               value)
 
   def reduced(self, cycle, rules):
     # The "max" leaves get their pmax first, on one device, so that the one

@@ -19,6 +19,7 @@ import optax
 
 from optax_accum._src import validation
 from optax_accum._src.accumulate import emitting
+from optax_accum._src.accumulate import window_args
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import manual
 from optax_accum._src.mesh import readers
@@ -54,6 +55,8 @@ class DeviceAdd(NamedTuple):
   sums: list[Any]  # the new running sums, one per leaf.
   tokens: jax.Array  # shape=(), float32: the tokens counted (0 if dropped).
   nonfinite: jax.Array  # shape=(), bool: dropped by skip_nonfinite.
+  kept_weight: jax.Array  # shape=(), float32: the weight added with; 0 if
+  # nothing was added.
 
 
 class Drops(NamedTuple):
@@ -125,9 +128,14 @@ def add_to_sum(grad_sum, updates, contribution, cycle_start, rules):
   return grad_reduction_lib.add_by_rule(restarted, updates, contribution, rules)
 
 
+def kept_weight(c: token_weighting.Contribution) -> jax.Array:
+  """The weight a micro-step's gradient was added with; 0 if not added."""
+  return jnp.where(c.keep, c.weight, jnp.zeros([], jnp.float32))
+
+
 def cycle_after(state, grads, contribution, loss_reduction,
-                rules) -> emitting.Cycle:
-  """The running sums with this micro-step added."""
+                rules, value) -> emitting.Cycle:
+  """The running sums with this micro-step (and its ``value``) added."""
   stats_sums = state.stats_sums
   if stats_sums is not None:
     stats_sums = noise_scale.add_sq_norms(
@@ -139,11 +147,14 @@ def cycle_after(state, grads, contribution, loss_reduction,
       ),
       token_count=state.token_count + contribution.tokens,
       stats_sums=stats_sums,
+      value_sums=window_args.add(state.value_sums, value,
+                                 kept_weight(contribution),
+                                 contribution.tokens),
   )
 
 
 def add_local(updates, state, params, tokens,
-              settings: UpdateSettings) -> MicroStep:
+              settings: UpdateSettings, value) -> MicroStep:
   """Adds checked gradients that this device holds whole (or device-local)."""
   dropped = drops(updates, tokens, state, params, settings)
   contribution = token_weighting.contribution(
@@ -156,7 +167,7 @@ def add_local(updates, state, params, tokens,
       grads=updates,
       leaf_rules=leaf_rules,
       cycle=cycle_after(state, updates, contribution,
-                        settings.loss_reduction, leaf_rules),
+                        settings.loss_reduction, leaf_rules, value),
       nonfinite_count=increment_where(dropped.nonfinite,
                                       state.nonfinite_count),
       skipped_count=increment_where(dropped.skipped, state.skipped_count),
@@ -192,7 +203,7 @@ def add_on_device(grads: list[Any], sums: list[Any], tokens: jax.Array,
   c = token_weighting.contribution(tokens, settings.loss_reduction,
                                    drop=nonfinite | skip)
   return DeviceAdd(add_to_sum(sums, grads, c, cycle_start, None), c.tokens,
-                   nonfinite)
+                   nonfinite, kept_weight(c))
 
 
 def checked_grads(updates: Any, grad_sum: Any, num_tokens: Any, *,

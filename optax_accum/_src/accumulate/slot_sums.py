@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._src.accumulate import emitting
 from optax_accum._src.accumulate import microstep
+from optax_accum._src.accumulate import window_args
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import manual
 from optax_accum._src.mesh import readers
@@ -131,21 +132,22 @@ def sum_slots(slots: Any) -> Any:
 
 
 def add_to_slots(updates: Any, state: Any, params: Any, tokens: jax.Array,
-                 settings: microstep.UpdateSettings) -> microstep.MicroStep:
+                 settings: microstep.UpdateSettings,
+                 value: jax.Array | None) -> microstep.MicroStep:
   """Adds a micro-step's unreduced gradients to the slots (no communication).
 
   Each device adds its own partial, weighted by the global ``tokens``, to
-  its slot; the token count and the drop counts, the same on every device,
-  go into device 0's slot only. The non-finite decision is global: one
-  scalar reduction. ``should_skip`` runs under jit on the unreduced
+  its slot; the token count, the drop counts and ``value``'s sums, the same
+  on every device, go into device 0's slot only. The non-finite decision is
+  global: one scalar reduction. ``should_skip`` runs under jit on the unreduced
   gradients and the state as they are.
   """
   axis_name = settings.axis_name
   skipped = microstep.skipped_on_partials(settings.should_skip, updates,
                                           state, params)
 
-  def local(grads, sums, tokens, skipped, cycle_start):
-    grad_sum, token_count, nonfinite_count, skipped_count = sums
+  def local(grads, sums, tokens, skipped, cycle_start, value):
+    grad_sum, token_count, nonfinite_count, skipped_count, value_sums = sums
     leaves, treedef = jax.tree.flatten(grad_sum)
     added = microstep.add_on_device(
         treedef.flatten_up_to(grads), leaves, tokens, skipped, cycle_start,
@@ -155,19 +157,21 @@ def add_to_slots(updates: Any, state: Any, params: Any, tokens: jax.Array,
     return (treedef.unflatten(added.sums),
             token_count + own(added.tokens),
             nonfinite_count + own(added.nonfinite.astype(jnp.int32)),
-            skipped_count + own(skipped.astype(jnp.int32)))
+            skipped_count + own(skipped.astype(jnp.int32)),
+            window_args.add(value_sums, value, own(added.kept_weight),
+                            own(added.tokens)))
 
   sums = (state.grad_sum, state.token_count, state.nonfinite_count,
-          state.skipped_count)
+          state.skipped_count, state.value_sums)
   sums = manual.on_own_partials(
-      local, (updates, sums, tokens, skipped, state.micro_step == 0),
+      local, (updates, sums, tokens, skipped, state.micro_step == 0, value),
       jax.tree.map(readers.full_spec, sums),
   )
-  grad_sum, token_count, nonfinite_count, skipped_count = sums
+  grad_sum, token_count, nonfinite_count, skipped_count, value_sums = sums
   return microstep.MicroStep(
       grads=updates,
       leaf_rules=None,  # all "mean": check_partials_settings refuses others.
-      cycle=emitting.Cycle(grad_sum, token_count, None),
+      cycle=emitting.Cycle(grad_sum, token_count, None, value_sums),
       nonfinite_count=nonfinite_count,
       skipped_count=skipped_count,
   )
@@ -178,14 +182,14 @@ class SlotSums(NamedTuple):
 
   axis_name: readers.AxisName
 
-  def add(self, updates, state, params, num_tokens, tokens, settings):
+  def add(self, updates, state, params, num_tokens, tokens, settings, value):
     microstep.check_partials_settings(updates, settings)
     updates = microstep.checked_grads(updates, state.grad_sum, None,
                                       slot_axis=True)
     check_unreduced_over_slots(updates, state.grad_sum, self.axis_name,
                                looked_at=not microstep.has_no_tokens(
                                    num_tokens))
-    return add_to_slots(updates, state, params, tokens, settings)
+    return add_to_slots(updates, state, params, tokens, settings, value)
 
   def reduced(self, cycle, rules):
     del rules
@@ -193,6 +197,7 @@ class SlotSums(NamedTuple):
         grad_sum=jax.tree.map(sum_slots, cycle.grad_sum),
         token_count=jnp.sum(cycle.token_count),
         stats_sums=None,
+        value_sums=jax.tree.map(jnp.sum, cycle.value_sums),
     )
 
   def summed_like(self, grads):

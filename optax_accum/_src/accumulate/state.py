@@ -15,6 +15,7 @@ from optax_accum._src.accumulate import emitting
 from optax_accum._src.accumulate import manual_sums
 from optax_accum._src.accumulate import microstep
 from optax_accum._src.accumulate import slot_sums
+from optax_accum._src.accumulate import window_args
 from optax_accum._src.rules import noise_scale
 
 
@@ -59,6 +60,9 @@ class AccumulateState(NamedTuple):
     tokens_seen_error: the rounding error of ``tokens_seen``'s running sum,
       carried into the next addition (Kahan summation), so that the count
       does not drift over billions of tokens; float32.
+    value_sums: the current cycle's running sums behind the ``value`` that
+      ``inner`` gets on emit (its token-weighted mean over the window; see
+      ``update``'s extra arguments); per device.
   """
 
   micro_step: jax.Array  # shape=(), dtype=jnp.int32.
@@ -73,11 +77,92 @@ class AccumulateState(NamedTuple):
   stats: noise_scale.GradStats | None  # float32 scalars.
   tokens_seen: jax.Array  # shape=(), dtype=jnp.float32.
   tokens_seen_error: jax.Array  # shape=(), dtype=jnp.float32.
+  value_sums: window_args.ValueSums  # scalars or (slots,).
+
+  def __getattr__(self, name):
+    """A field of the inner optimizer's state, read through this one.
+
+    ``state.hyperparams`` (``optax.inject_hyperparams``, also inside an
+    ``optax.chain``), ``state.b1`` and ``state.z``
+    (``optax.contrib.schedule_free_eval_params(state, params)``) reach the
+    one NamedTuple of ``inner_state`` that has that field. Setting
+    ``state.hyperparams["learning_rate"] = lr`` changes the inner's dict.
+    Only called for names that are not this state's own.
+    """
+    if name.startswith("_"):
+      raise AttributeError(name)
+    return inner_field(self.inner_state, name)
+
+
+def _states_with_field(tree, name, path=""):
+  """The (path, node) of each NamedTuple in ``tree`` with field ``name``."""
+  found = []
+  if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+    if name in tree._fields:
+      found.append((path, tree))
+    children = [(f".{f}", getattr(tree, f)) for f in tree._fields]
+  elif isinstance(tree, (tuple, list)):
+    children = [(f"[{i}]", x) for i, x in enumerate(tree)]
+  elif isinstance(tree, dict):
+    children = [(f"[{k!r}]", x) for k, x in tree.items()]
+  else:
+    children = []
+  for where, child in children:
+    found += _states_with_field(child, name, path + where)
+  return found
+
+
+def inner_field(inner_state, name):
+  """``name`` of the one state in ``inner_state`` that has it, or our error."""
+  found = _states_with_field(inner_state, name)
+  if len(found) == 1:
+    return getattr(found[0][1], name)
+  hint = (
+      "optax.tree.get(state, key) and optax.tree.set(state, key=value) find"
+      " a named leaf anywhere in it, and state.inner_state is the inner"
+      f" optimizer's state ({type(inner_state).__name__})."
+  )
+  if found:
+    raise AttributeError(
+        f"'AccumulateState' has no attribute {name!r}, and the inner"
+        f" optimizer's state has {len(found)} fields of that name (at"
+        f" state.inner_state{', state.inner_state'.join(p for p, _ in found)}):"
+        f" read the one you mean there. {hint}"
+    )
+  raise AttributeError(
+      f"'AccumulateState' has no attribute {name!r}, nor has any state"
+      f" inside the inner optimizer's state: oa.accumulate's state wraps the"
+      f" inner's. {hint}"
+  )
+
+
+def check_state(updates, state, params) -> None:
+  """``update``'s state must be ours: a clear error for swapped arguments."""
+  if isinstance(state, AccumulateState):
+    return
+  usage = ("call tx.update(grads, state, params), with state the"
+           " AccumulateState that tx.init(params) returned (or the last"
+           " update's)")
+  if isinstance(updates, AccumulateState):
+    raise TypeError(
+        "tx.update got the AccumulateState as its first argument (the"
+        f" gradients) and a {type(state).__name__} as its state:"
+        f" the arguments are swapped; {usage}.")
+  if isinstance(params, AccumulateState):
+    raise TypeError(
+        "tx.update got the AccumulateState as its third argument (params)"
+        f" and a {type(state).__name__} as its state: the arguments are"
+        f" swapped; {usage}.")
+  raise TypeError(
+      f"tx.update's state must be an AccumulateState, got"
+      f" {type(state).__name__}: {usage}. An optax.chain or another wrapper"
+      " around oa.accumulate passes it its own part of the chain's state.")
 
 
 # The fields of AccumulateState that hold per-device scalars under axis_name.
 PER_DEVICE_COUNTS = (
-    "token_count", "nonfinite_count", "skipped_count", "stats_sums"
+    "token_count", "nonfinite_count", "skipped_count", "stats_sums",
+    "value_sums",
 )
 
 
@@ -110,6 +195,7 @@ def next_state(state, micro_step, emit, step: microstep.MicroStep,
       stats=emitted.stats,
       tokens_seen=tokens_seen,
       tokens_seen_error=tokens_seen_error,
+      value_sums=_zero_where(emit, cycle.value_sums),
   )
 
 
@@ -157,4 +243,5 @@ def init_state(inner_state, params, accumulator_dtype, axis_name,
       stats=noise_scale.nan_stats() if with_stats else None,
       tokens_seen=jnp.zeros([], jnp.float32),
       tokens_seen_error=jnp.zeros([], jnp.float32),
+      value_sums=window_args.zeros(count_zeros),
   )

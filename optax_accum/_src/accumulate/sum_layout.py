@@ -32,9 +32,10 @@ class SumLayout(Protocol):
   """Where a cycle's sums live: one implementation per form."""
 
   def add(self, updates: Any, state: Any, params: Any, num_tokens: Any,
-          tokens: jax.Array,
-          settings: microstep.UpdateSettings) -> microstep.MicroStep:
-    """Checks a micro-step's gradients and adds them to the running sums."""
+          tokens: jax.Array, settings: microstep.UpdateSettings,
+          value: jax.Array | None) -> microstep.MicroStep:
+    """Checks a micro-step's gradients and adds them (and ``value``, a
+    replicated or device-local scalar, or None) to the running sums."""
 
   def reduced(self, cycle: emitting.Cycle,
               rules: list[str] | None) -> emitting.Cycle:
@@ -50,9 +51,10 @@ class SumLayout(Protocol):
 class SingleSums(NamedTuple):
   """No data axis: the gradients are whole, the sum one array."""
 
-  def add(self, updates, state, params, num_tokens, tokens, settings):
+  def add(self, updates, state, params, num_tokens, tokens, settings, value):
     updates = microstep.checked_grads(updates, state.grad_sum, num_tokens)
-    return microstep.add_local(updates, state, params, tokens, settings)
+    return microstep.add_local(updates, state, params, tokens, settings,
+                               value)
 
   def reduced(self, cycle, rules):
     del rules

@@ -12,10 +12,12 @@ from optax_accum._src import validation
 from optax_accum._src.accumulate import emitting
 from optax_accum._src.accumulate import manual_sums
 from optax_accum._src.accumulate import microstep
+from optax_accum._src.accumulate import placement
 from optax_accum._src.accumulate import slot_sums
 from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import typed_sums
+from optax_accum._src.accumulate import window_args
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import readers
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
@@ -76,13 +78,14 @@ def accumulate(
     every_k: int | Callable[[jax.Array], jax.Array] | None,
     *,
     loss_reduction: str = "mean",
-    accumulator_dtype: Any = jnp.float32,
+    accumulator_dtype: Any = None,
     axis_name: str | tuple[str, ...] | None = None,
     skip_nonfinite: bool = False,
     should_skip: Callable[[Any, Any, Any], Any] | None = None,
     with_stats: bool = False,
     equal_weights: bool = False,
     grad_reduction: Any = "mean",
+    value_fn_over_window: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates micro-batch gradients and updates once per cycle.
 
@@ -108,8 +111,10 @@ def accumulate(
   call that starts the next cycle (see :class:`AccumulateState`), which keeps
   a non-emitting call to one fused in-place pass over the sum.
 
-  The sum is kept in ``accumulator_dtype`` whatever the gradients' dtype; the
-  mean handed to ``inner`` has the gradients' dtype. A micro-step with zero
+  The sum is kept in ``accumulator_dtype``, by default the wider of float32
+  and each parameter's dtype (bfloat16 gradients are summed in float32,
+  float64 ones under ``jax_enable_x64`` in float64); the mean handed to
+  ``inner`` has the gradients' dtype. A micro-step with zero
   tokens adds nothing (its gradient is not looked at, so a 0/0 mean cannot
   leak NaN). A cycle with no tokens emits zero updates and leaves ``inner``'s
   state untouched. A ``num_tokens`` that is NaN, infinite or negative is never
@@ -140,7 +145,9 @@ def accumulate(
       ``num_tokens`` items: ``"mean"`` or ``"sum"``.
     accumulator_dtype: floating dtype of the running sum, or a pytree prefix
       of the parameters of such dtypes, e.g. ``{'embed': jnp.bfloat16,
-      'layers': jnp.float32}``: one per parameter (sub)tree.
+      'layers': jnp.float32}``: one per parameter (sub)tree. None (the
+      default, also as a leaf of such a tree): the wider of float32 and the
+      parameter's dtype.
     axis_name: the manual data-parallel axis (or axes) to sum over on emit
       (shard_map, pmap), or None. Under jit, given with unreduced
       gradients, it must name the axes their types say (its state then
@@ -172,6 +179,11 @@ def accumulate(
       "last" leaf takes the raw gradient (not weighted, not divided by the
       token count), and zeros if no micro-step was kept. Only "mean" leaves
       count in ``with_stats``' statistics.
+    value_fn_over_window: True says that a ``value_fn`` passed to ``update``
+      (a line search's loss as a function of the parameters) evaluates the
+      whole window's loss: it is then passed to ``inner`` as given on the
+      emitting call. Otherwise a ``value_fn`` raises, naming the one-call
+      recipe (see Returns).
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose ``update`` takes
@@ -185,9 +197,20 @@ def accumulate(
     the others. With ``axis_name`` it must be the same on every device.
     ``emit`` is never passed to ``inner``. A flush with no new
     gradient is ``update(zero_grads, state, params, num_tokens=0,
-    emit=True)``. ``extra_args`` go on to ``inner``; a keyword that looks
-    like a typo of ``num_tokens`` or ``emit``, or any keyword when ``inner``
-    is a plain :class:`optax.GradientTransformation`, raises ``TypeError``.
+    emit=True)``. ``extra_args`` reach ``inner`` on the emitting call,
+    each by its rule over the window: ``value`` (a real scalar, e.g. the
+    micro-batch's loss for ``optax.contrib.reduce_on_plateau`` or a line
+    search) as the token-weighted mean of the values passed during the
+    window, with the gradient's weights (skipped, dropped and empty
+    micro-steps excluded; summed over the devices with the gradient, in
+    every form), so that ``inner`` sees the full batch's loss; ``grad`` as
+    the window's mean gradient; ``value_fn`` is refused (it cannot be summed
+    over micro-batches: take the full batch's loss and gradient with
+    :func:`optax_accum.value_and_grad` and call the line search directly)
+    unless ``value_fn_over_window``; every other one as given on the
+    emitting call. A keyword that looks like a typo of ``num_tokens`` or
+    ``emit``, or any keyword when ``inner`` is a plain
+    :class:`optax.GradientTransformation`, raises ``TypeError``.
     Gradient leaves may be Python scalars or NumPy arrays; integer ones are
     averaged in ``accumulator_dtype``; complex ones need complex parameters.
 
@@ -226,6 +249,8 @@ def accumulate(
   )
   grad_reduction = grad_reduction_lib.check_grad_reduction(grad_reduction,
                                                            axis_name)
+  value_fn_over_window = validation.check_bool("value_fn_over_window",
+                                               value_fn_over_window)
   validation.check_transformation("inner", inner)
   takes_extra_args = isinstance(inner, optax.GradientTransformationExtraArgs)
   inner = optax.with_extra_args_support(inner)
@@ -235,7 +260,9 @@ def accumulate(
       with_stats)
 
   def init_fn(params):
+    placement.check_not_in_skipping_wrapper()
     validation.check_param_leaves(params)
+    validation.check_slots_fit_params(axis_name, params)
     # Raises unless grad_reduction fits the params.
     grad_reduction_lib.rules_per_leaf(grad_reduction, params)
     return state_lib.init_state(inner.init(params), params, accumulator_dtype,
@@ -243,15 +270,18 @@ def accumulate(
 
   def update_fn(updates, state, params=None, *, num_tokens=None, emit=None,
                 **extra_args):
+    state_lib.check_state(updates, state, params)
     validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
     if extra_args and not takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
+    value = window_args.checked_value(extra_args, value_fn_over_window)
     layout = detect_sum_layout(axis_name, updates, state.grad_sum)
     if num_tokens is None:
       tokens = missing_count.count()  # warned once the call is checked.
     else:
       tokens = validation.as_token_count("num_tokens", num_tokens)
-    step = layout.add(updates, state, params, num_tokens, tokens, settings)
+    step = layout.add(updates, state, params, num_tokens, tokens, settings,
+                      value)
     micro_step = optax.safe_increment(state.micro_step)
     emit = _should_emit(
         emit, micro_step, _cycle_length(every_k, state.count), layout)

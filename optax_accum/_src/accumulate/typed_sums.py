@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._src.accumulate import emitting
 from optax_accum._src.accumulate import microstep
+from optax_accum._src.accumulate import window_args
 from optax_accum._src.mesh import collectives
 from optax_accum._src.mesh import manual
 from optax_accum._src.mesh import readers
@@ -106,7 +107,8 @@ def _laid_out_like(sums: list[Any], grads: list[Any],
 
 
 def add_partials(updates: Any, state: Any, params: Any, tokens: jax.Array,
-        settings: microstep.UpdateSettings) -> microstep.MicroStep:
+                 settings: microstep.UpdateSettings,
+                 value: jax.Array | None) -> microstep.MicroStep:
   """Adds a micro-step's unreduced gradients, on each device's partials.
 
   The non-finite decision is global (one scalar reduction);
@@ -138,7 +140,7 @@ def add_partials(updates: Any, state: Any, params: Any, tokens: jax.Array,
   added = manual.on_own_partials(
       local,
       (grads, sums, tokens, skip, state.micro_step == 0),
-      microstep.DeviceAdd(sum_specs, P(), P()),
+      microstep.DeviceAdd(sum_specs, P(), P(), P()),
   )
   return microstep.MicroStep(
       grads=updates,
@@ -148,6 +150,9 @@ def add_partials(updates: Any, state: Any, params: Any, tokens: jax.Array,
                                       added.sums),
           token_count=state.token_count + added.tokens,
           stats_sums=None,
+          # value and tokens are global (replicated) under jit.
+          value_sums=window_args.add(state.value_sums, value,
+                                     added.kept_weight, added.tokens),
       ),
       nonfinite_count=microstep.increment_where(added.nonfinite,
                                                 state.nonfinite_count),
@@ -171,11 +176,11 @@ def reduced_cycle(cycle: emitting.Cycle) -> emitting.Cycle:
 class TypedSums(NamedTuple):
   """Under jit, unreduced gradients: the sum kept unreduced, by type."""
 
-  def add(self, updates, state, params, num_tokens, tokens, settings):
+  def add(self, updates, state, params, num_tokens, tokens, settings, value):
     del num_tokens
     updates = microstep.checked_grads(updates, state.grad_sum, None)
     microstep.check_partials_settings(updates, settings)
-    return add_partials(updates, state, params, tokens, settings)
+    return add_partials(updates, state, params, tokens, settings, value)
 
   def reduced(self, cycle, rules):
     del rules

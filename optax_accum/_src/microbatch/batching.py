@@ -31,6 +31,12 @@ from optax_accum._src import validation
 from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import loss_signature
 
+# For a split that leaves one row per micro-batch.
+STACKED_HINT = (
+    " If the batch is already stacked as (k, micro, ...), pass it unstacked,"
+    " as (k * micro, ...): fn splits it into micro-batches itself."
+)
+
 
 def check_divisible(size: int, num_microbatches: int, devices: int = 1) -> None:
   """Raises unless ``size`` splits into ``devices * num_microbatches`` parts."""
@@ -45,6 +51,7 @@ def check_divisible(size: int, num_microbatches: int, devices: int = 1) -> None:
       f"The batch size {size} must be divisible by num_microbatches * the"
       f" data axis size = {num_microbatches} * {devices}: each device splits"
       " its shard of the batch into micro-batches."
+      + (STACKED_HINT if size == num_microbatches > 1 else "")
   )
 
 
@@ -220,7 +227,7 @@ def split(
         f"The batch, sharded over {shards} devices along its batch axis,"
         f" splits into num_microbatches={k} micro-batches of {rows} rows each,"
         f" which must be divisible by {shards}: pick a batch size divisible"
-        f" by {k} * {shards}."
+        f" by {k} * {shards}." + (STACKED_HINT if rows == 1 < k else "")
     )
   out, index_axes = [], []
   for leaf, axis in zip(leaves, axes):

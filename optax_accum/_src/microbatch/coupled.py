@@ -211,7 +211,8 @@ def _local(c: _Coupled, params, inputs, lay: layout.Layout) -> layout.Partials:
     direct = out.direct
   cotangents = [batching.split_rows(t, batch_split) for t in cotangents]
   init = lay.as_sums(jax.tree.map(
-      lambda g: g.astype(c.accumulator_dtype), direct))
+      lambda g, d: g.astype(d), direct,
+      validation.per_leaf_dtypes(c.accumulator_dtype, direct)))
   grad_sum = pull_back(
       c.encode_fn, params, batch_split, keys, cotangents, init, inputs.args
   )
@@ -237,7 +238,7 @@ def coupled_value_and_grad(
     num_microbatches: int,
     has_aux: bool = False,
     axis_name: readers.AxisName | None = None,
-    accumulator_dtype: Any = jnp.float32,
+    accumulator_dtype: Any = None,
     batch_axes: Any = 0,
     param_specs: Any = None,
 ) -> Callable[..., Any]:
@@ -293,7 +294,8 @@ def coupled_value_and_grad(
     num_microbatches: how many micro-batches to split the batch into.
     has_aux: whether ``loss_fn`` returns auxiliary data.
     axis_name: data-parallel axis (or axes): a manual axis or a mesh axis.
-    accumulator_dtype: floating dtype of the gradient's running sum.
+    accumulator_dtype: floating dtype of the gradient's running sum; None
+      (the default): the wider of float32 and each parameter's dtype.
     batch_axes: the axis of each batch leaf to split into micro-batches, as
       for :func:`optax_accum.value_and_grad`; ``encode_fn``'s
       representations keep one row per example along their leading axis,
@@ -335,7 +337,8 @@ def coupled_value_and_grad(
   coupled = _Coupled(
       encode_fn, loss_fn, num_microbatches,
       validation.check_bool("has_aux", has_aux),
-      validation.check_accumulator_dtype(accumulator_dtype),
+      None if accumulator_dtype is None
+      else validation.check_accumulator_dtype(accumulator_dtype),
       batching.check_batch_axes(batch_axes),
   )
   program = layout.Program(

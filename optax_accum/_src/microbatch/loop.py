@@ -101,7 +101,7 @@ def _aux_plan(loss, opts, params_for, inputs, batch_split,
 def _zero_sums(params, opts: Options, plan: AuxPlan | None,
                lay: layout.Layout, rules) -> Sums:
   dtypes = validation.per_leaf_dtypes(opts.accumulator_dtype, params)
-  scalar_dtype = validation.scalar_sum_dtype(opts.accumulator_dtype)
+  scalar_dtype = validation.scalar_sum_dtype(opts.accumulator_dtype, params)
   sums = Sums(
       grads=grad_reduction_lib.start(lay.zero_grads(params, dtypes), rules),
       loss=jnp.zeros([], scalar_dtype),

@@ -113,6 +113,40 @@ def _unsplit_args_hint(microbatch: Any, inputs: Inputs) -> str | None:
       " x, y = batch. " + SIGNATURE + ".")
 
 
+def _one_row_axis(shape: tuple, micro_shape: tuple) -> int | None:
+  """The split axis of a leaf (2-D or more) split into one-row slices."""
+  differ = [i for i, (s, m) in enumerate(zip(shape, micro_shape)) if s != m]
+  if (len(shape) < 2 or len(shape) != len(micro_shape) or len(differ) != 1
+      or micro_shape[differ[0]] != 1):
+    return None
+  return differ[0]
+
+
+def _stacked_batch_hint(microbatch: Any, inputs: Inputs) -> str | None:
+  """A note for a failing ``loss_fn`` whose micro-batches hold one row each:
+  a batch already stacked as ``(k, micro, ...)``, split again."""
+  paths_and_leaves = jax.tree_util.tree_leaves_with_path(inputs.batch)
+  micro_leaves = jax.tree.leaves(microbatch)
+  if len(paths_and_leaves) != len(micro_leaves):
+    return None
+  split = [(path, jnp.shape(leaf), jnp.shape(micro))
+           for (path, leaf), micro in zip(paths_and_leaves, micro_leaves)
+           if is_array(leaf) and jnp.shape(leaf) != jnp.shape(micro)]
+  axes = [_one_row_axis(shape, micro_shape) for _, shape, micro_shape in split]
+  if not split or None in axes:
+    return None
+  (path, shape, micro_shape), axis = split[0], axes[0]
+  return (
+      f"optax_accum: each of the num_microbatches={shape[axis]} micro-batches"
+      f" holds one row of the batch: batch{jax.tree_util.keystr(path)} has"
+      f" shape {shape}, its micro-batches {micro_shape}. fn splits the batch"
+      " into micro-batches itself, along batch_axes (here axis"
+      f" {axis}); a batch already stacked as (k, micro, ...) is split again."
+      " Pass it unstacked, as (k * micro, ...)" + (
+          ": jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)."
+          if axis == 0 else "."))
+
+
 def _describe(x: Any) -> str:
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     return f"a single array of dtype {x.dtype} and shape {tuple(x.shape)}"
@@ -163,9 +197,10 @@ def normalize(loss_fn, has_aux, has_state):
     try:
       out = loss_fn(*positional, **kwargs)
     except (TypeError, ValueError) as e:
-      hint = _unsplit_args_hint(microbatch, inputs)
-      if hint is not None:
-        e.add_note(hint)
+      for hint in (_unsplit_args_hint(microbatch, inputs),
+                   _stacked_batch_hint(microbatch, inputs)):
+        if hint is not None:
+          e.add_note(hint)
       raise
     if not (has_aux or has_state):
       return _unpaired(out), (None, None)

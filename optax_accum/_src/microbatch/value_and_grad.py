@@ -4,8 +4,6 @@ from collections.abc import Callable
 import functools
 from typing import Any
 
-import jax.numpy as jnp
-
 from optax_accum._src import validation
 from optax_accum._src.microbatch import batching
 from optax_accum._src.microbatch import fsdp
@@ -28,7 +26,7 @@ def value_and_grad(
     equal_weights: bool = False,
     loss_reduction: str = "mean",
     axis_name: str | tuple[str, ...] | None = None,
-    accumulator_dtype: Any = jnp.float32,
+    accumulator_dtype: Any = None,
     batch_axes: Any = 0,
     aux_reduction: Any = "stack",
     with_stats: bool = False,
@@ -69,7 +67,9 @@ def value_and_grad(
     loss_reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces.
     axis_name: the data axes: manual (``shard_map``, ``pmap``) or of the
       mesh (``jit``; read off the batch with Explicit axes).
-    accumulator_dtype: dtype of the sums, or a prefix tree of params of them.
+    accumulator_dtype: dtype of the sums, or a prefix tree of params of them;
+      None (the default): the wider of float32 and each parameter's dtype
+      (float64 stays float64 under ``jax_enable_x64``).
     batch_axes: each batch leaf's axis to split (like ``vmap``'s
       ``in_axes``); None passes the leaf whole to every micro-batch.
     aux_reduction: ``"stack"``, ``"mean"`` (token-weighted), ``"sum"``,

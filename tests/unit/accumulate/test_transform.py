@@ -221,8 +221,9 @@ def test_extra_args_reach_the_inner_optimizer():
   for value in (5.0, 4.0, 3.0, 2.0):
     _, state = update(_grads(0), state, params, value=jnp.float32(value))
     best.append(float(optax.tree.get(state.inner_state, "best_value")))
-  # Only the emitting calls' values reach the inner optimizer.
-  assert best[0] == float("inf") and best[1] == 4.0 and best[3] == 2.0
+  # The inner optimizer runs on the emitting calls only, and gets the
+  # window's mean value (equal weights here), not the emitting call's.
+  assert best[0] == float("inf") and best[1] == 4.5 and best[3] == 2.5
 
 
 def test_works_inside_chain_and_with_inject_hyperparams():

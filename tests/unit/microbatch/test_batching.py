@@ -81,3 +81,20 @@ def test_bad_splits_name_the_sizes():
     batching.split({"x": jnp.ones((8, 2)), "y": jnp.ones(4)}, 0, 2)
   with pytest.raises(ValueError, match="splits no leaf"):
     batching.split({"x": jnp.ones((8, 2))}, None, 2)
+
+
+def test_a_stacked_batch_over_devices_names_the_fix():
+  """A ``(k, micro, ...)`` batch sharded over the data axis cannot split
+  into k micro-batches per device: the error says how to pass it."""
+  hint = r"already stacked as \(k, micro, \.\.\.\), pass it unstacked"
+  with pytest.raises(ValueError, match=hint):
+    batching.check_divisible(K, K, devices=2)
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,),
+                       devices=jax.devices()[:2])
+  with jax.set_mesh(mesh):
+    stacked = {"x": jax.device_put(jnp.ones((K, 8, 2)), P("data"))}
+    with pytest.raises(ValueError, match=hint):
+      batching.split(stacked, 0, K)
+  with pytest.raises(ValueError) as info:  # an unrelated size: no hint.
+    batching.check_divisible(6, K, devices=2)
+  assert "stacked" not in str(info.value)

@@ -252,3 +252,52 @@ def test_the_note_on_an_explicit_mesh():
       fn(jnp.ones(2), x, y)
   assert any(n.startswith("optax_accum") and "*args[0] (leading size 16)" in n
              for n in getattr(info.value, "__notes__", ())), info.value
+
+
+def _stacked_loss(w, mb):  # docs/flax.md's masked mean over (rows, ...).
+  err = mb["mask"][:, None] * (mb["x"] @ w - mb["y"]) ** 2
+  return err.sum() / jnp.maximum(mb["mask"].sum(), 1.0)
+
+
+def _stacked_batch(k, micro):
+  rng = np.random.default_rng(0)
+  return {"x": jnp.asarray(rng.normal(size=(k, micro, 3)), jnp.float32),
+          "y": jnp.asarray(rng.normal(size=(k, micro, 2)), jnp.float32),
+          "mask": jnp.ones((k, micro), jnp.float32)}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_batch_stacked_as_k_micro_gets_a_note(jit):
+  """A batch the user already stacked as ``(k, micro, ...)``: split again,
+  each micro-batch is ``(1, micro, ...)``, and the loss fails to broadcast.
+  JAX's error stays, with our note naming the fix."""
+  k, micro, w = 4, 8, jnp.ones((3, 2))
+  fn = oa.value_and_grad(_stacked_loss, num_microbatches=k,
+                         num_tokens_fn=lambda mb: mb["mask"].sum())
+  fn = jax.jit(fn) if jit else fn
+  stacked = _stacked_batch(k, micro)
+  with pytest.raises(TypeError, match="incompatible shapes") as info:
+    fn(w, stacked)
+  notes = [n for n in getattr(info.value, "__notes__", ())
+           if n.startswith("optax_accum")]
+  assert len(notes) == 1, info.value
+  assert re.search(r"num_microbatches=4 micro-batches holds one row.*"
+                   r"shape \(4, 8\), its micro-batches \(1, 8\).*already"
+                   r" stacked as \(k, micro, \.\.\.\).*unstacked, as"
+                   r" \(k \* micro, \.\.\.\)", notes[0]), notes[0]
+  # The fix, as the note writes it: the same loss as on the whole batch.
+  unstacked = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stacked)
+  loss, grads = fn(w, unstacked)
+  full = jax.value_and_grad(_stacked_loss)(w, unstacked)
+  np.testing.assert_allclose(loss, full[0], rtol=1e-5)
+  np.testing.assert_allclose(grads, full[1], rtol=1e-5, atol=1e-6)
+
+
+def test_no_stacked_note_where_micro_batches_hold_several_rows():
+  def bad_loss(w, mb):  # fails on any batch: (rows, 1, 3) @ (2, 3).
+    return jnp.sum(mb["x"][:, None] @ w.T)
+  fn = oa.value_and_grad(bad_loss, num_microbatches=2, equal_weights=True)
+  with pytest.raises(TypeError) as info:
+    fn(jnp.ones((3, 2)), {"x": jnp.ones((8, 4, 3))})
+  assert not any("already stacked" in n
+                 for n in getattr(info.value, "__notes__", ())), info.value
