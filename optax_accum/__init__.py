@@ -44,6 +44,10 @@ from optax_accum._src.tools.reducible_layers import (
 from optax_accum._src.tools.reducible_layers import (
     reducible_layers as reducible_layers,
 )
+from optax_accum._src.tools.self_check import (
+    check_train_step as check_train_step,
+)
+from optax_accum._src.tools.self_check import TrainStepCheck as TrainStepCheck
 
 __version__ = "0.1.0"
 
@@ -53,9 +57,11 @@ __all__ = (
     "GradStats",
     "Plan",
     "ShardingReport",
+    "TrainStepCheck",
     "accumulate",
     "add_bias",
     "apply_if_updated",
+    "check_train_step",
     "count_collectives",
     "coupled_value_and_grad",
     "device_local",

@@ -103,8 +103,9 @@ per call:
 
 **tools/**: opt-in, off every hot path. ``hlo`` (``count_collectives``,
 on ``hlo_text``'s parser of compiled HLO), ``self_check``
-(``check_train_step``: the micro-batch loop's trip count and where the
-gradient is reduced, on the same parser), ``planner``
+(``check_train_step``: judges what ``step_reading`` reads on the same
+parser, the micro-batch loop's trip count and where the gradient is
+reduced), ``planner``
 (``plan_microbatches``, on ``planner_step``'s step), ``reducible_layers``
 (``add_bias``, ``multiply_scale``, ``reducible_layers``).
 

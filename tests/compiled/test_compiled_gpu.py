@@ -22,6 +22,38 @@ pytestmark = pytest.mark.skipif(co.missing_gpu() is not None,
                                 reason=co.missing_gpu() or "")
 
 WORKER = helpers.SUPPORT / "compiled_gpu_worker.py"
+# The worker's data x tensor step, checked by oa.check_train_step in a child
+# process of its own (the worker reports counts, not the check's verdict).
+_CHECK_TYPED_STEP = """\
+import json, warnings
+import jax
+jax.config.update("jax_platforms", "cpu")  # before any backend starts.
+from jax.sharding import PartitionSpec as P
+import optax_accum as oa
+from zoo import compile_only as co
+from zoo import typed_model as tm
+
+mesh = co.mesh(co.gpu_devices(), (4, 2), ("data", "tensor"))
+cfg = tm.Config(vocab=512, seq=128, dim=128, heads=4, ffn=512, layers=1,
+                batch_axes=("data",), tensor="tensor")
+params = co.abstract(jax.eval_shape(lambda: tm.init(cfg)), mesh,
+                     tm.specs(cfg))
+data = jax.eval_shape(lambda: tm.batch(cfg, 64))
+data = co.abstract(data, mesh, jax.tree.map(lambda _: P("data"), data))
+fn = oa.value_and_grad(tm.loss_fn(cfg), num_microbatches=4,
+                       num_tokens_fn=tm.num_tokens)
+with jax.set_mesh(mesh), warnings.catch_warnings():
+  warnings.simplefilter("ignore", UserWarning)
+  compiled = jax.jit(fn).lower(params, data).compile()
+found = oa.check_train_step(compiled, num_microbatches=4, data_axes="data",
+                            params=params)
+try:
+  oa.check_train_step(compiled, num_microbatches=8)
+  wrong = None
+except AssertionError as e:
+  wrong = str(e)
+print(json.dumps({"found": found._asdict(), "wrong": wrong}))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +94,17 @@ def test_fsdp_gradients_leave_the_loop_as_reduce_scatters(report):
   # All-reduced: only the parameters that are not sharded over fsdp.
   all_reduced = sum(r[1] for r in m["reductions"] if r[0] == "all-reduce")
   assert all_reduced <= m["replicated_bytes"], m
+
+
+def test_check_train_step_passes_the_typed_step():
+  """data x tensor: 4 loops, each leaf reduced once, after the loop."""
+  done = subprocess.run([sys.executable, "-c", _CHECK_TYPED_STEP],
+                        capture_output=True, text=True, check=False,
+                        env=helpers.worker_env(JAX_PLATFORMS="cpu"),
+                        timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  checked = json.loads(done.stdout.splitlines()[-1])
+  found = checked["found"]
+  assert found["trip_counts"] == [4] and found["in_loop"] == {}
+  assert found["reduced_elements"] == found["gradient_elements"]
+  assert "runs 4 times, expected 8" in checked["wrong"]

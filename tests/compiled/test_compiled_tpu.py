@@ -104,6 +104,19 @@ def test_typed_form_reduces_no_gradient_over_data_in_the_loop():
   assert [c for c in reductions if not c.looped]  # the gradient, once.
 
 
+def test_check_train_step_passes_the_typed_step():
+  """On data x tensor: k loops (read off the loop's condition, where XLA's
+  TPU compiler writes no known_trip_count), each leaf reduced once after."""
+  mesh, cfg, args = _setup(DATA_TENSOR)
+  compiled = _compile(mesh, _typed(cfg), *args)
+  found = oa.check_train_step(compiled, num_microbatches=K,
+                              data_axes=cfg.batch_axes, params=args[0])
+  assert found.trip_counts == (K,) and found.in_loop == {}
+  assert found.reduced_elements == found.gradient_elements
+  with pytest.raises(AssertionError, match=f"runs {K} times, expected 8"):
+    oa.check_train_step(compiled, num_microbatches=8)
+
+
 def test_temporary_memory_falls_with_the_number_of_microbatches():
   """With activations well over what XLA keeps outside HBM (temp 0)."""
   shape, names = DATA_TENSOR

@@ -160,3 +160,8 @@ def test_distributed_tells_the_forms_in_at_most_300_lines():
   """The forms are told once: the support matrix lives on its own page."""
   lines = (DOCS / "distributed.md").read_text().splitlines()
   assert len(lines) <= 300, len(lines)
+
+
+def test_readme_stays_within_220_lines():
+  lines = (helpers.ROOT / "README.md").read_text().splitlines()
+  assert len(lines) <= 220, len(lines)

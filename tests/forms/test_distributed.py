@@ -528,13 +528,14 @@ def test_docs_distributed_snippets_run_and_print_what_they_say(capsys):
   """The ```python blocks of docs/distributed.md, in order, in one namespace."""
   namespace = helpers.run_markdown_snippets("docs/distributed.md", min_blocks=5)
   printed = capsys.readouterr().out.splitlines()
-  assert printed[:6] == [
+  assert printed[:7] == [
       "{} {'all-reduce': 1}",  # Explicit axes: the gradient-sized ones.
       "P('data',) {}",
       "(\"params['b']\",) 25%",
       "{} {'all-reduce': 1}",  # Auto axes.
       "True {'all-reduce': 1} {}",
       "{'all-reduce': 1} {}",
+      "(4,) {'all-reduce': 1}",  # oa.check_train_step: the CI recipe.
   ]
   first_device = jax.tree.map(lambda x: x[0], namespace["p_state"])
   assert bool(oa.has_updated(first_device))

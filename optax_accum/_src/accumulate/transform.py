@@ -23,6 +23,9 @@ from optax_accum._src.mesh import readers
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import token_weighting
 
+# The named scope of the emitting branch (oa.check_train_step finds it).
+EMIT_SCOPE = "optax_accum_emit"
+
 
 def _cycle_length(
     every_k: int | Callable[[jax.Array], jax.Array] | None, count: jax.Array
@@ -291,7 +294,7 @@ def accumulate(
     )
 
     def emit_branch(cycle, inner_state, stats):
-      with jax.named_scope("optax_accum_emit"):
+      with jax.named_scope(EMIT_SCOPE):
         return emitter.emit(layout.reduced(cycle, step.leaf_rules),
                             inner_state, stats)
 

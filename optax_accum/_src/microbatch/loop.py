@@ -30,6 +30,9 @@ from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import noise_scale
 from optax_accum._src.rules import token_weighting
 
+# The named scope of the micro-batch loop (oa.check_train_step finds it).
+LOOP_SCOPE = "optax_accum_microbatch_loop"
+
 
 class Sums(NamedTuple):
   """The loop's running sums (per device under ``axis_name``)."""
@@ -213,7 +216,7 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
     # The per-micro-batch losses only tell their dtype: XLA drops them.
     return (sums, model_state), (value, stacked)
 
-  with jax.named_scope("optax_accum_microbatch_loop"):
+  with jax.named_scope(LOOP_SCOPE):
     (sums, model_state), (values, stacked) = _run_microbatches(
         step, (_zero_sums(params, opts, plan, lay, rules),
                inputs.model_state),

@@ -1,0 +1,210 @@
+"""What a compiled train step does, read from its text: its micro-batch
+loops (their trip counts) and where its gradient-sized reductions run.
+
+The walk of the HLO is ``parse_collectives``', on ``hlo_text``'s parser and
+readers (private there), keeping which loops and branches enclose each
+instruction, where ``parse_collectives`` keeps only whether some do.
+:func:`optax_accum.check_train_step` judges what this reads.
+"""
+
+import math
+import re
+from typing import Any, NamedTuple
+
+import jax
+
+from optax_accum._src.accumulate import transform
+from optax_accum._src.microbatch import loop as loop_lib
+from optax_accum._src.tools import hlo
+from optax_accum._src.tools import hlo_text
+
+# The named scopes of microbatch/loop.py's loop and accumulate/transform.py's
+# emitting branch, as the op_name metadata of the compiled program has them.
+_LOOP_OP_NAME = re.compile(re.escape(loop_lib.LOOP_SCOPE) + r"/while$")
+_EMIT_SCOPE = transform.EMIT_SCOPE
+_OP_NAME = re.compile(r'\bop_name="([^"]*)"')
+_KNOWN_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_INT_CONSTANT = re.compile(r"=\s*[su](?:8|16|32|64)\[\]\S*\s+constant\((\d+)\)")
+_CONDITION = re.compile(r"\bcondition=%?([^\s,)]+)")
+REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+
+class Instruction(NamedTuple):
+  """An instruction of the program, and the loops and branches around it."""
+
+  opcode: str
+  rest: str  # the text from the opcode on.
+  line: str
+  computation: str
+  loops: tuple[str, ...]  # the enclosing while instructions, outermost first.
+  branches: tuple[str, ...]  # the enclosing branch computations.
+  scatter: str | None  # the line of XLA's TPU reduce-scatter fusion around.
+
+
+class Loop(NamedTuple):
+  name: str  # the while instruction's.
+  trip_count: int | None
+  marked: bool  # oa.value_and_grad's, by its named scope.
+  outermost: bool
+
+
+class Reduction(NamedTuple):
+  collective: str  # "all-reduce" or "reduce-scatter".
+  place: str  # "in_loop", "in_emitting_branch" or "outside".
+  nbytes: int
+  axes: tuple[str, ...] | None  # the mesh axes it spans; None without a mesh.
+  elements: int | None  # the gradient elements summed; None without a mesh.
+
+
+def walk(entry: str, computations: dict[str, Any]):
+  """Every instruction reached from ``entry``, as ``hlo_text`` walks them."""
+
+  def visit(name, loops, branches, path, scatter):
+    if name in path:
+      return
+    for opcode, rest, line in computations.get(name, ()):
+      yield Instruction(opcode, rest, line, name, loops, branches, scatter)
+      if opcode in hlo_text._ASYNC_CONTINUATIONS:
+        continue
+      fused = line if hlo_text._REDUCE_SCATTER_FUSION in line else None
+      here = hlo_text._name(line)
+      for attribute, called in hlo_text._CALLED.findall(rest):
+        for callee in called.strip("{}").split(","):
+          callee = callee.strip().lstrip("%")
+          if not callee:
+            continue
+          if attribute in hlo_text._LOOP_ATTRIBUTES:
+            inner_loops, inner_branches = loops + (here,), branches
+          elif attribute in hlo_text._BRANCH_ATTRIBUTES:
+            inner_loops, inner_branches = loops, branches + (callee,)
+          else:
+            inner_loops, inner_branches = loops, branches
+          yield from visit(callee, inner_loops, inner_branches, path | {name},
+                           fused if attribute == "calls" else scatter)
+
+  yield from visit(entry, (), (), frozenset(), None)
+
+
+def trip_count(rest: str, computations: dict[str, Any]) -> int | None:
+  """XLA's ``known_trip_count`` of a while, else its condition's one bound."""
+  if match := _KNOWN_TRIP_COUNT.search(rest):
+    return int(match.group(1))
+  condition = _CONDITION.search(rest)
+  if condition is None:
+    return None
+  bounds = {int(m.group(1))
+            for _, _, line in computations.get(condition.group(1), ())
+            if (m := _INT_CONSTANT.search(line))}
+  return bounds.pop() if len(bounds) == 1 else None
+
+
+def microbatch_loops(instructions, computations,
+                      num_microbatches: int | None) -> list[Loop]:
+  """The micro-batch loops: oa.value_and_grad's, else the outermost ones.
+
+  Without the named scope (a hand-written loop, coupled_value_and_grad's
+  two), the outermost loops are taken: those that run ``num_microbatches``
+  times if some do. A step of one micro-batch may have no loop of its own.
+  """
+  loops = []
+  for inst in instructions:
+    if inst.opcode == "while":
+      op_name = _OP_NAME.search(inst.rest)
+      loops.append(Loop(
+          hlo_text._name(inst.line), trip_count(inst.rest, computations),
+          bool(op_name and _LOOP_OP_NAME.search(op_name.group(1))),
+          not inst.loops))
+  loops = list({loop.name: loop for loop in loops}.values())
+  if marked := [loop for loop in loops if loop.marked]:
+    return marked
+  if num_microbatches == 1:
+    return []
+  outermost = [loop for loop in loops if loop.outermost]
+  matching = [loop for loop in outermost
+              if loop.trip_count == num_microbatches]
+  return matching or outermost
+
+
+def place(inst: Instruction, loop_names: set[str],
+           emitting: set[str]) -> str:
+  if set(inst.branches) & emitting:
+    return "in_emitting_branch"
+  if set(inst.loops) & loop_names:
+    return "in_loop"
+  return "outside"
+
+
+def reductions(instructions, computations, loop_names, emitting,
+                positions, mesh, data_axes) -> list[Reduction]:
+  """The gradient-sized reductions over ``data_axes`` (None: any), placed."""
+  found = []
+  for inst in instructions:
+    collective = hlo_text._OPCODE_TO_COLLECTIVE.get(inst.opcode)
+    if inst.scatter is not None and collective == "all-reduce":
+      collective = "reduce-scatter"  # XLA's TPU reduce-scatter fusion.
+    if collective not in REDUCTIONS:
+      continue
+    shapes = hlo_text._result_shapes(inst.scatter or inst.line)
+    if all(not dims for _, dims in shapes) or hlo_text._concatenates_scalars(
+        inst.rest, inst.computation, computations):
+      continue
+    axes = elements = None
+    if mesh is not None:
+      axes = hlo_text._collective_axes(inst.rest, positions, mesh)
+      if data_axes is not None and not set(axes) & set(data_axes):
+        continue
+      elements = sum(n for _, dims in shapes if (n := math.prod(dims)) > 1)
+      if collective == "reduce-scatter":
+        elements *= math.prod(mesh.shape[a] for a in axes)
+    found.append(Reduction(
+        collective, place(inst, loop_names, emitting),
+        sum(hlo_text._ITEMSIZE[t] * math.prod(d) for t, d in shapes),
+        axes, elements))
+  return found
+
+
+def compiled(program: Any) -> Any:
+  """A lowered program compiled (flax's nnx.jit stages too), else as is."""
+  if isinstance(getattr(program, "lowered", None), jax.stages.Lowered):
+    program = program.lowered
+  if isinstance(program, jax.stages.Lowered):
+    program = program.compile()
+  return program
+
+
+def program_mesh(program: Any) -> Any:
+  """The mesh of a compiled program's arguments or results, or None."""
+  for stage in (program, getattr(program, "compiled", None)):
+    if isinstance(stage, jax.stages.Compiled):
+      for s in jax.tree.leaves((stage.input_shardings,
+                                stage.output_shardings)):
+        if isinstance(s, jax.sharding.NamedSharding):
+          return s.mesh
+  return None
+
+
+class Step(NamedTuple):
+  """What the program text tells: its micro-batch loops and reductions."""
+
+  loops: list[Loop]
+  accumulate_step: bool  # it has accumulate's emitting branch.
+  reductions: list[Reduction]  # gradient-sized, over the data axes.
+
+
+def read_step(program: Any, mesh: Any, data_axes: tuple[str, ...] | None,
+               num_microbatches: int | None) -> Step:
+  """Reads ``program``'s text: where its loops and reductions are."""
+  text, devices = hlo._read(program)
+  entry, computations = hlo_text._parse(text)
+  instructions = list(walk(entry, computations))
+  loops = microbatch_loops(instructions, computations, num_microbatches)
+  branches = {b for inst in instructions for b in inst.branches}
+  emitting = {b for b in branches
+              if any(_EMIT_SCOPE in line
+                     for *_, line in computations.get(b, ()))}
+  positions = None if mesh is None else hlo._logical_to_mesh_position(
+      devices, mesh)
+  return Step(
+      loops, any(_EMIT_SCOPE in inst.line for inst in instructions),
+      reductions(instructions, computations, {loop.name for loop in loops},
+                  emitting, positions, mesh, data_axes))
