@@ -18,6 +18,7 @@ from optax_accum._src.accumulate.state_access import has_updated as has_updated
 from optax_accum._src.accumulate.state_access import tokens_seen as tokens_seen
 from optax_accum._src.accumulate.transform import accumulate as accumulate
 from optax_accum._src.mesh.axes import device_local as device_local
+from optax_accum._src.mesh.zero import zero_specs as zero_specs
 from optax_accum._src.microbatch.coupled import (
     coupled_value_and_grad as coupled_value_and_grad,
 )
@@ -76,4 +77,5 @@ __all__ = (
     "state_partition_specs",
     "tokens_seen",
     "value_and_grad",
+    "zero_specs",
 )

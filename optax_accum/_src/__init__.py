@@ -27,8 +27,9 @@ module that calls ``jax.shard_map`` (``on_own_partials``: a function on
 each device's own blocks, the first-device helpers); ``axes`` the manual
 axes (varying, ``device_local``, their checks); ``collectives`` gathers,
 reduce-scatters and psums by spec, and the deferred forms' add and
-reduction (``add_to_partials``, ``reduce_scatter_unreduced``); ``compat``
-only the retirable JAX and XLA workarounds. Every shim, wherever it lives,
+reduction (``add_to_partials``, ``reduce_scatter_unreduced``); ``zero``
+the ZeRO shard of each leaf (``zero_specs``); ``compat`` only the
+retirable JAX and XLA workarounds. Every shim, wherever it lives,
 says what retires it: ``grep -rn "Remove when"``.
 
 **microbatch/**: one call of :func:`optax_accum.value_and_grad` or
@@ -85,6 +86,8 @@ per call:
    |                                gradients under jit, sums unreduced)
    |                      slots     slot_sums.SlotSums (a slot per device
    |                                under jit)
+   |                      ZeRO      zero_sums.ZeroSums (shard_optimizer:
+   |                                inner on shards, updates gathered)
    |  add               layout.add: microstep.py (the checks of incoming
    |                    gradients, the drops, the lazy-reset add;
    |                    add_on_device for the two deferred forms), and

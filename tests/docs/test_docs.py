@@ -131,6 +131,12 @@ PRINTED = {
     "docs/per_leaf_rules.md": ["23.0", "11.0"],
     # The fallback leaves of nnx.Linear and nnx.LayerNorm, then none.
     "docs/reduced_leaves.md": ["4 4", "()"],
+    # adamw's moments in shards: the one-call step's, the per-micro-step
+    # state's (the parameters replicated), nnx.Optimizer's and TrainState's.
+    "docs/zero.md": ["(2, 32)", "float32[16@data,32] float32[16,32]",
+                     "float32[16@data,8]", "float32[16@data,32]"],
+    # The plateau logic's best value, the window's mean loss.
+    "docs/composing.md": [],
 }
 
 

@@ -11,6 +11,7 @@ reads the running sum, so that XLA keeps a non-emitting call in place (see
 on the way into :meth:`Emitter.emit` (each form's ``reduced``).
 """
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -56,6 +57,8 @@ class Emitter(NamedTuple):
   like_grads: Any  # the gradients' tree: the mean takes their dtypes.
   like_updates: Any  # ShapeDtypeStructs of inner's updates.
   rules: list[str] | None  # grad_reduction per leaf; None: all "mean".
+  # updates, grads -> the updates as returned (ZeRO's gather them).
+  finish: Callable[[Any, Any], Any]
 
   def run_inner(self, grad_sum, token_count, value_sums, inner_state):
     mean = grad_reduction_lib.mean_by_rule(
@@ -64,7 +67,8 @@ class Emitter(NamedTuple):
         mean, inner_state, self.params,
         **window_args.for_inner(self.extra_args, value_sums, mean)
     )
-    return updates, optax.tree.cast_like(new_state, inner_state)
+    return (self.finish(updates, self.like_grads),
+            optax.tree.cast_like(new_state, inner_state))
 
   def skip_inner(self, grad_sum, token_count, value_sums, inner_state):
     del grad_sum, token_count, value_sums
@@ -103,20 +107,21 @@ def _stats_of(cycle: Cycle, rules) -> noise_scale.GradStats | None:
 
 
 def emitter(inner, reduced_grads, grads, inner_state, params, extra_args,
-            rules=None):
+            rules=None, finish=lambda updates, grads: updates):
   """The :class:`Emitter` of one ``update`` call.
 
   ``reduced_grads`` are the gradients as the reduced mean will be typed
   (shapes only), ``grads`` the incoming ones, whose dtypes the mean takes.
   """
   like_updates = jax.eval_shape(
-      lambda g, s: inner.update(
+      lambda g, s: finish(inner.update(
           g, s, params, **window_args.for_inner(
               extra_args, window_args.zeros(lambda d: jnp.zeros([], d)), g)
-      )[0],
+      )[0], grads),
       reduced_grads, inner_state,
   )
-  return Emitter(inner, params, extra_args, grads, like_updates, rules)
+  return Emitter(inner, params, extra_args, grads, like_updates, rules,
+                 finish)
 
 
 def zeros_typed_like(tree: Any) -> Any:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src.accumulate import microstep
+from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import compat
 from optax_accum._src.mesh import readers
@@ -49,6 +50,8 @@ class ManualSums(NamedTuple):
 
   def check_emit(self, emit):
     axes.check_same_on_every_device("emit", emit, self.axis_name)
+
+  finish_updates = staticmethod(sum_layout.as_computed)
 
 
 def zeros_with_slot(shape: Sequence[int], dtype: Any,

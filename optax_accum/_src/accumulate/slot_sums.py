@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._src.accumulate import emitting
 from optax_accum._src.accumulate import microstep
+from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import window_args
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import manual
@@ -205,3 +206,5 @@ class SlotSums(NamedTuple):
 
   def check_emit(self, emit):
     del emit
+
+  finish_updates = staticmethod(sum_layout.as_computed)

@@ -17,6 +17,8 @@ typed    under jit, gradients typed unreduced         unreduced like the
          (:mod:`typed_sums`)                          gradient, reduced on emit
 slots    under jit, a state built with ``axis_name``  a slot per device,
          (:mod:`slot_sums`), unreduced gradients      resharded on emit
+ZeRO     under jit, ``shard_optimizer`` given         typed's (ZeRO-1), or in
+         (:mod:`zero_sums`)                           shards (ZeRO-2)
 ======== ============================================ =========================
 """
 
@@ -47,6 +49,17 @@ class SumLayout(Protocol):
   def check_emit(self, emit: jax.Array) -> None:
     """Checks a traced ``emit`` (the same on every device where needed)."""
 
+  def finish_updates(self, updates: Any, grads: Any) -> Any:
+    """``inner``'s updates as ``update`` returns them (in the emitting
+    branch), laid out like ``grads``: the updates as they are, except
+    ZeRO's (:mod:`zero_sums`), which gathers its shards."""
+
+
+def as_computed(updates: Any, grads: Any) -> Any:
+  """:meth:`SumLayout.finish_updates` of every form but ZeRO's."""
+  del grads
+  return updates
+
 
 class SingleSums(NamedTuple):
   """No data axis: the gradients are whole, the sum one array."""
@@ -65,3 +78,5 @@ class SingleSums(NamedTuple):
 
   def check_emit(self, emit):
     del emit
+
+  finish_updates = staticmethod(as_computed)

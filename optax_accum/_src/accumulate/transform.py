@@ -18,7 +18,9 @@ from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import typed_sums
 from optax_accum._src.accumulate import window_args
+from optax_accum._src.accumulate import zero_sums
 from optax_accum._src.mesh import axes
+from optax_accum._src.mesh import compat
 from optax_accum._src.mesh import readers
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import token_weighting
@@ -64,8 +66,13 @@ def _should_emit(emit, micro_step, length, layout):
 
 
 def detect_sum_layout(axis_name: readers.AxisName | None, updates: Any,
-           grad_sum: Any) -> sum_layout.SumLayout:
+                      grad_sum: Any,
+                      zero: zero_sums.ZeroSums | None = None
+                      ) -> sum_layout.SumLayout:
   """The form of one ``update`` call (at trace time): where its sums live."""
+  if zero is not None:
+    zero_sums.check_mesh(zero.data_axes)
+    return zero
   if axis_name is None:
     if typed_sums.is_typed(updates, grad_sum):
       return typed_sums.TypedSums()
@@ -74,6 +81,34 @@ def detect_sum_layout(axis_name: readers.AxisName | None, updates: Any,
     return manual_sums.ManualSums(axis_name)
   # axis_name under jit: init laid the state out in slots.
   return slot_sums.SlotSums(axis_name)
+
+
+def _check_zero(shard_optimizer, gradient_sync, axis_name, with_stats,
+                grad_reduction) -> zero_sums.ZeroSums | None:
+  """``shard_optimizer`` and ``gradient_sync``, checked together."""
+  if gradient_sync not in zero_sums.CHOICES:
+    raise ValueError(
+        f"gradient_sync must be one of {zero_sums.CHOICES}, got"
+        f" {gradient_sync!r}.")
+  if shard_optimizer is None:
+    if gradient_sync != zero_sums.ONCE:
+      raise ValueError(
+          f"gradient_sync={gradient_sync!r} shards the running sum over the"
+          " data axes that shard_optimizer names (ZeRO-2): pass"
+          " shard_optimizer too, e.g. shard_optimizer='data'.")
+    return None
+  data_axes = validation.check_axis_name(shard_optimizer)
+  if axis_name is not None:
+    raise ValueError(
+        f"shard_optimizer={shard_optimizer!r} with axis_name={axis_name!r}:"
+        " ZeRO runs under jax.jit, where the gradients' types say their"
+        " axes; leave axis_name out (it is for jax.shard_map and jax.pmap).")
+  if with_stats or grad_reduction is not None:  # None: all "mean".
+    raise ValueError(
+        f"shard_optimizer={shard_optimizer!r} takes neither with_stats nor a"
+        " grad_reduction other than 'mean' (got with_stats="
+        f"{with_stats!r}, grad_reduction={grad_reduction!r}).")
+  return zero_sums.ZeroSums(readers.axes_of(data_axes), gradient_sync)
 
 
 def accumulate(
@@ -89,6 +124,8 @@ def accumulate(
     equal_weights: bool = False,
     grad_reduction: Any = "mean",
     value_fn_over_window: bool = False,
+    shard_optimizer: str | tuple[str, ...] | None = None,
+    gradient_sync: str = "once",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates micro-batch gradients and updates once per cycle.
 
@@ -187,6 +224,19 @@ def accumulate(
       whole window's loss: it is then passed to ``inner`` as given on the
       emitting call. Otherwise a ``value_fn`` raises, naming the one-call
       recipe (see Returns).
+    shard_optimizer: ZeRO: the data axes (Explicit axes of the mesh set
+      with :func:`jax.set_mesh`, under :func:`jax.jit`) to shard ``inner``'s
+      state over, each leaf as :func:`optax_accum.zero_specs` says, while
+      the parameters stay as they are. ``inner`` then updates each device's
+      shard of the mean, and the emitting branch gathers the updates back
+      (one all-gather per update); or None. ``inner`` must work leaf by
+      leaf on shards (adamw, lion, sgd; not Muon's whole matrices).
+    gradient_sync: with ``shard_optimizer``, how the gradients reach the
+      shards: ``"once"`` (ZeRO-1: the running sum kept whole, unreduced for
+      ``gradient_sync="deferred"`` gradients, and reduce-scattered on emit:
+      one reduce-scatter per update) or ``"every_microbatch"`` (ZeRO-2: the
+      running sum sharded too, each call's gradient reduce-scattered into
+      it: 1/N of its memory, ``k`` reduce-scatters per update).
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` whose ``update`` takes
@@ -254,6 +304,8 @@ def accumulate(
                                                            axis_name)
   value_fn_over_window = validation.check_bool("value_fn_over_window",
                                                value_fn_over_window)
+  zero = _check_zero(shard_optimizer, gradient_sync, axis_name, with_stats,
+                     grad_reduction)
   validation.check_transformation("inner", inner)
   takes_extra_args = isinstance(inner, optax.GradientTransformationExtraArgs)
   inner = optax.with_extra_args_support(inner)
@@ -268,8 +320,16 @@ def accumulate(
     validation.check_slots_fit_params(axis_name, params)
     # Raises unless grad_reduction fits the params.
     grad_reduction_lib.rules_per_leaf(grad_reduction, params)
-    return state_lib.init_state(inner.init(params), params, accumulator_dtype,
-                       axis_name, with_stats)
+    if zero is None:
+      return state_lib.init_state(inner.init(params), params,
+                                  accumulator_dtype, axis_name, with_stats)
+    zero_sums.check_mesh(zero.data_axes)
+    state = state_lib.init_state(
+        inner.init(zero_sums.sharded(params, zero.data_axes)), params,
+        accumulator_dtype, None, with_stats)
+    return state._replace(grad_sum=zero_sums.init_sums(
+        params, jax.tree.map(lambda s: s.dtype, state.grad_sum),
+        zero.data_axes, zero.gradient_sync))
 
   def update_fn(updates, state, params=None, *, num_tokens=None, emit=None,
                 **extra_args):
@@ -278,7 +338,7 @@ def accumulate(
     if extra_args and not takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
     value = window_args.checked_value(extra_args, value_fn_over_window)
-    layout = detect_sum_layout(axis_name, updates, state.grad_sum)
+    layout = detect_sum_layout(axis_name, updates, state.grad_sum, zero)
     if num_tokens is None:
       tokens = missing_count.count()  # warned once the call is checked.
     else:
@@ -288,10 +348,16 @@ def accumulate(
     micro_step = optax.safe_increment(state.micro_step)
     emit = _should_emit(
         emit, micro_step, _cycle_length(every_k, state.count), layout)
-    emitter = emitting.emitter(
-        inner, layout.summed_like(step.grads), step.grads, state.inner_state,
-        params, extra_args, step.leaf_rules,
-    )
+    try:
+      emitter = emitting.emitter(
+          inner, layout.summed_like(step.grads), step.grads,
+          state.inner_state, params, extra_args, step.leaf_rules,
+          layout.finish_updates,
+      )
+    except compat.sharding_type_error() as e:
+      if zero is not None:
+        zero_sums.note_for_matrices(e)
+      raise
 
     def emit_branch(cycle, inner_state, stats):
       with jax.named_scope(EMIT_SCOPE):

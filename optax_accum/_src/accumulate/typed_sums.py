@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._src.accumulate import emitting
 from optax_accum._src.accumulate import microstep
+from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import window_args
 from optax_accum._src.mesh import collectives
 from optax_accum._src.mesh import manual
@@ -191,3 +192,5 @@ class TypedSums(NamedTuple):
 
   def check_emit(self, emit):
     del emit  # a jit-level value: the same on every device by its type.
+
+  finish_updates = staticmethod(sum_layout.as_computed)

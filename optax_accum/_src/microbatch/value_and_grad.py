@@ -82,7 +82,11 @@ def value_and_grad(
     gather_params: ``"once"`` or ``"every_microbatch"`` (FSDP: gather the
       parameters for each micro-batch); see ``docs/distributed.md``.
     param_specs: the parameters' ``PartitionSpec`` over the data axes (one,
-      or a prefix tree); None: read off their types, or replicated.
+      or a prefix tree); None: read off their types, or replicated. The
+      gradient comes back sharded so: for ZeRO (parameters replicated, the
+      optimizer's state sharded over the data axes) pass
+      ``oa.zero_specs(params, axis_name)``, and each leaf is reduce-scattered
+      into its shard (``docs/zero.md``).
     grad_reduction: per leaf, ``"mean"``, ``"max"`` or ``"last"`` over the
       micro-batches (FP8 scales: ``docs/fp8.md``), or a prefix tree.
 
