@@ -114,10 +114,13 @@ def time_vs_k(spec, ks, reps):
 
 def temp_memory_vs_k(spec, ks):
   params, batch, compiled = compile_candidates(spec, ks)
+  memory = {name: harness.memory(c) for name, c in compiled.items()}
   return {"spec": spec, "ks": ks, "param_bytes": harness.tree_bytes(params),
           "batch_bytes": harness.tree_bytes(batch),
-          "temp_bytes": {name: harness.memory(c)["temp_bytes"]
-                         for name, c in compiled.items()}}
+          "temp_bytes": {name: m["temp_bytes"] for name, m in memory.items()},
+          "peak": {name: {key: m[key] for key in ("peak_bytes",
+                                                  "peak_measure")}
+                   for name, m in memory.items()}}
 
 
 def run(cfg):
@@ -181,6 +184,13 @@ def markdown(result):
       "|---|" + "---|" * len(m["ks"]),
       f"| {OURS} | " + " | ".join(
           f"{report.mib(b)} ({b / full_b:.2f}x)" for b in temps) + " |",
+      f"| {OURS}, peak | " + " | ".join(
+          harness.peak_label(m["peak"][f"{OURS} k={k}"], report.mib)
+          for k in m["ks"]) + " |",
+      "",
+      f"Full batch's peak: {harness.peak_label(m['peak'][FULL], report.mib)}."
+      " Target and plot: temp (`temp_size_in_bytes`), the activations that"
+      " fall with k. " + harness.MEMORY_REF,
   ]
 
 

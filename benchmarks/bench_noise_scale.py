@@ -78,7 +78,7 @@ def time_model(spec, k, reps):
   return {
       "spec": spec, "k": k, "param_bytes": harness.tree_bytes(params),
       "candidates": {name: {"call": summaries[name],
-                            "temp_bytes": harness.memory(c)["temp_bytes"]}
+                            "memory": harness.memory(c)}
                      for name, c in compiled.items()},
       "loss_abs_diff": float(abs(value - plain_value)),
       "max_abs_grad_diff": harness.max_abs_diff(grads, plain_grads),
@@ -128,7 +128,7 @@ def summary_rows(result):
 
 def markdown(result):
   lines = ["| model | candidate | call median (p25-p75) | / without |"
-           " temp memory |", "|---|---|---|---|---|"]
+           " peak memory | temp memory |", "|---|---|---|---|---|---|"]
   for model, e in result.items():
     plain = e["candidates"][PLAIN]["call"]["median_s"]
     for name, c in e["candidates"].items():
@@ -136,8 +136,10 @@ def markdown(result):
       lines.append(
           f"| {model} | {name} | {report.ms(call['median_s'])}"
           f" ({report.ms(call['p25_s'])}-{report.ms(call['p75_s'])}) |"
-          f" {call['median_s'] / plain:.3f}x | {report.mib(c['temp_bytes'])} |")
-  lines.append("")
+          f" {call['median_s'] / plain:.3f}x |"
+          f" {harness.peak_label(c['memory'], report.mib)} |"
+          f" {report.mib(c['memory']['temp_bytes'])} |")
+  lines += ["", harness.MEMORY_REF, ""]
   for model, e in result.items():
     s = e["stats"]
     lines.append(

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import optax_accum as oa
+from optax_accum._src.tools import planner
 import report
 from zoo import models
 
@@ -89,6 +90,7 @@ def plan(cfg):
           "k": chosen.num_microbatches, "gradient_sync": chosen.gradient_sync,
           "gather_params": chosen.gather_params,
           "memory_bytes": chosen.memory_bytes,
+          "memory_measure": chosen.memory_measure,
           "collectives_per_update": chosen.collectives_per_update}
     except ValueError as e:  # nothing fits: the message prints the table.
       message = str(e).splitlines()
@@ -100,6 +102,7 @@ def plan(cfg):
         "table": [{
             "k": c.num_microbatches, "gradient_sync": c.gradient_sync,
             "gather_params": c.gather_params, "memory_bytes": c.memory_bytes,
+            "memory_measure": c.memory_measure,
             "collectives_per_update": c.collectives_per_update,
             "in_loop": sum(c.collectives.in_loop.values()), "fits": c.fits,
         } for c in table],
@@ -143,6 +146,11 @@ def summary_rows(result):
   return rows
 
 
+def _flag(measure):
+  """What the planner read: its peak, or temp + args (XLA:CPU), flagged."""
+  return "" if measure in (None, planner.PEAK) else f" ({measure})"
+
+
 def markdown(result):
   lines = [f"{result['num_params']:,} parameters"
            f" ({report.mib(result['param_bytes'])} in bfloat16), FSDP over 8"
@@ -165,10 +173,15 @@ def markdown(result):
     for r in p["table"]:
       lines.append(
           f"| {r['k']} | {r['gradient_sync']} | {r['gather_params']} |"
-          f" {r['memory_bytes'] / GiB:.2f} GiB | {r['collectives_per_update']}"
+          f" {r['memory_bytes'] / GiB:.2f} GiB"
+          f"{_flag(r.get('memory_measure'))} | {r['collectives_per_update']}"
           f" ({r['in_loop']}) | {'yes' if r['fits'] else 'no'} |")
     lines.append("")
-  return lines
+  return lines + [
+      "Memory per device as `oa.plan_microbatches` reads it: the peak"
+      " (`memory_analysis().peak_memory_in_bytes`), or, marked (temp+args),"
+      " temp + arguments + outputs - aliased where the backend's peak counts"
+      " no temporaries (XLA:CPU, this benchmark's backend).", ""]
 
 
 if __name__ == "__main__":

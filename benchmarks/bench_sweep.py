@@ -49,6 +49,11 @@ CONFIGS = {
 }
 PLOT_SUFFIX = ""  # Its plot is PREFIX.png: results/latest.png.
 TARGET = 0.3  # Most of the full batch's temp memory that ours may need at k.
+# The target and the plot read temp: activations, the part that falls with
+# k. The peak (below them) is, on XLA:CPU, temp + arguments + outputs.
+PEAK_NOTE = (
+    "Target and plot: temp (`temp_size_in_bytes`), the activations that fall"
+    " with k. " + harness.MEMORY_REF)
 NAMES = (bench_value_and_grad.OURS, bench_value_and_grad.PEER)
 
 
@@ -79,12 +84,15 @@ def time_vs_k(spec, ks, reps):
 
 def temp_memory_vs_k(spec, ks):
   params, batch, compiled = compile_candidates(spec, ks)
+  memory = {name: harness.memory(c) for name, c in compiled.items()}
   entry = {"spec": spec, "param_bytes": harness.tree_bytes(params),
            "batch_bytes": harness.tree_bytes(batch),
-           "full batch": harness.memory(compiled["full batch"])["temp_bytes"]}
+           "full batch": memory["full batch"]["temp_bytes"],
+           "peak": {name: {key: m[key] for key in ("peak_bytes",
+                                                   "peak_measure")}
+                    for name, m in memory.items()}}
   for name in NAMES:
-    entry[name] = {k: harness.memory(compiled[f"{name} k={k}"])["temp_bytes"]
-                   for k in ks}
+    entry[name] = {k: memory[f"{name} k={k}"]["temp_bytes"] for k in ks}
   return entry
 
 
@@ -130,7 +138,12 @@ def markdown(result):
               *k_table(result["ks"], lambda name, k, e=e: (
                   f"{report.mib(e[name][k])} "
                   f"({e[name][k] / e['full batch']:.2f}x)")), ""]
-  return lines[:-1]
+    peak = e["peak"]
+    lines += [f"Compiled peak memory, `{model}`; full batch:"
+              f" {harness.peak_label(peak['full batch'], report.mib)}:", "",
+              *k_table(result["ks"], lambda name, k, p=peak: (
+                  harness.peak_label(p[f"{name} k={k}"], report.mib))), ""]
+  return lines + [PEAK_NOTE]
 
 
 def k_table(ks, cell):

@@ -81,7 +81,7 @@ def time_model(spec, k, reps):
   return {"spec": spec, "k": k, "param_bytes": harness.tree_bytes(params),
           "candidates": {name: {
               "call": summaries[name], **errors[name],
-              "temp_bytes": harness.memory(c)["temp_bytes"]}
+              "memory": harness.memory(c)}
                          for name, c in compiled.items()}}
 
 
@@ -117,8 +117,9 @@ def summary_rows(result):
 
 def markdown(result):
   lines = ["| model | candidate | call median | / full batch | "
-           "max abs grad diff vs full (max abs grad) | temp memory |",
-           "|---|---|---|---|---|---|"]
+           "max abs grad diff vs full (max abs grad) | peak memory |"
+           " temp memory |",
+           "|---|---|---|---|---|---|---|"]
   for model, e in result.items():
     full = e["candidates"][FULL]["call"]["median_s"]
     for name, c in e["candidates"].items():
@@ -126,8 +127,10 @@ def markdown(result):
           f"| {model} | {name} | {report.ms(c['call']['median_s'])} | "
           f"{c['call']['median_s'] / full:.3f}x | "
           f"{c['max_abs_grad_diff_vs_full']:.1e} ({c['max_abs_grad']:.1e})"
-          f" | {report.mib(c['temp_bytes'])} |")
+          f" | {harness.peak_label(c['memory'], report.mib)}"
+          f" | {report.mib(c['memory']['temp_bytes'])} |")
   lines.append("")
+  lines += [harness.MEMORY_REF, ""]
   for model, e in result.items():
     lines.append(f"- {model}: `{report.spec(e['spec'])}`, "
                  f"params {report.mib(e['param_bytes'])}")

@@ -10,6 +10,7 @@ import json
 import os
 from typing import NamedTuple
 
+from harness import MEMORY_NOTE
 from harness import MiB
 
 
@@ -57,6 +58,8 @@ def header(res):
       f" Load average (1/5/15 min) at start {_load(m['loadavg_start'])},"
       f" at end {_load(m.get('loadavg_end'))} (this benchmark alone keeps it"
       f" near {m['cores']}; more means other processes shared the cores).",
+      "",
+      MEMORY_NOTE,
   ]
 
 

@@ -120,6 +120,33 @@ def test_benchmark_at_toy_size(quick_run, name):
       bench.CONFIGS["toy"])
 
 
+def _memory_figures(tree):
+  """Every dict of compiled sizes (``harness.memory``) in a result."""
+  if isinstance(tree, dict):
+    if isinstance(tree.get("temp_bytes"), int):
+      yield tree
+    for val in tree.values():
+      yield from _memory_figures(val)
+  elif isinstance(tree, (list, tuple)):
+    for val in tree:
+      yield from _memory_figures(val)
+
+
+def test_compiled_memory_is_reported_with_its_peak(quick_run):
+  """Issue 38: no temp without the peak beside it, nor a fallback unsaid."""
+  res, _, _, modules = quick_run
+  found = 0
+  for name in modules["run"].BENCHMARKS:
+    bench = modules[name]
+    for m in _memory_figures(res[bench.KEY]):
+      found += 1
+      assert m["peak_measure"] in ("peak", "temp+args"), (bench.KEY, m)
+      if m["peak_measure"] == "temp+args":
+        assert m["peak_bytes"] == (m["temp_bytes"] + m["argument_bytes"]
+                                   + m["output_bytes"] - m["alias_bytes"])
+  assert found
+
+
 def test_registry_lists_every_benchmark_module_once(quick_run):
   res, _, _, modules = quick_run
   run = modules["run"]

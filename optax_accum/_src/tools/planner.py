@@ -3,10 +3,11 @@
 Finding the number of micro-batches by trial and error costs an out-of-memory
 crash and a recompilation per try. XLA knows, once a step is compiled and
 before it runs, how much memory each device needs:
-``compiled.memory_analysis()``. :func:`plan_microbatches` compiles candidate
-steps ahead of time, reads their memory and their collectives, and returns the
-smallest number of micro-batches that fits a per-device budget, with the FSDP
-policy (:mod:`fsdp`) that communicates least.
+``compiled.memory_analysis().peak_memory_in_bytes`` (:func:`device_memory`).
+:func:`plan_microbatches` compiles candidate steps ahead of time, reads their
+memory and their collectives, and returns the smallest number of
+micro-batches that fits a per-device budget, with the FSDP policy
+(:mod:`fsdp`) that communicates least.
 
 This module compiles and measures the candidates (remembering what it
 measured), chooses among them and reports the :class:`Plan`; the step they
@@ -37,17 +38,86 @@ _GROUPS = (
 )
 _CACHE_SIZE = 256
 _cache: dict[Any, "_Measured"] = {}
+# How a program's memory per device was read: its peak, or (a backend that
+# counts no temporaries in its peak) temp + arguments + outputs - aliased.
+PEAK, TEMP_AND_ARGS = "peak", "temp+args"
+
+
+class DeviceMemory(NamedTuple):
+  """A compiled program's memory per device, from XLA's buffer assignment.
+
+  ``peak_memory_in_bytes`` counts each buffer once, arguments and outputs
+  included: the ruler. ``temp_size_in_bytes`` is the program's scratch
+  allocation; it counts again the output buffers that XLA lends to loop
+  temporaries (on TPU, hundreds of MiB in a micro-batch loop), so it is no
+  ruler between programs. ``argument_size_in_bytes``: what the caller passes
+  (parameters, optimizer state, batch), held for the whole call.
+  """
+
+  memory_bytes: int  # the peak, or temp + args + outputs - aliased.
+  measure: str  # PEAK, or TEMP_AND_ARGS where the backend gives no peak.
+  temp_bytes: int
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+
+
+def _platform(compiled: Any) -> str:
+  """The platform a program was compiled for (compile-only devices too)."""
+  for sharding in jax.tree.leaves((compiled.input_shardings,
+                                   compiled.output_shardings)):
+    devices = getattr(sharding, "device_set", None)
+    if devices:
+      return next(iter(devices)).platform
+  return jax.default_backend()
+
+
+def _peak_counts_temporaries(memory: Any, platform: str) -> bool:
+  """Whether ``memory.peak_memory_in_bytes`` is the program's peak.
+
+  XLA's TPU and GPU compilers compute it from the buffer assignment, every
+  buffer counted once. XLA:CPU's (jaxlib 0.10.2) is the arguments and
+  outputs and a few bytes, leaving out the temporaries: below arguments +
+  temp, which a program holds together at its temporaries' peak. Older
+  jaxlibs lack the field. Remove the CPU case when XLA:CPU computes its peak
+  from the buffer assignment too.
+  """
+  peak = getattr(memory, "peak_memory_in_bytes", None)
+  if not peak:
+    return False
+  return not (platform == "cpu" and peak < memory.argument_size_in_bytes
+              + memory.temp_size_in_bytes)
+
+
+def device_memory(compiled: Any) -> DeviceMemory | None:
+  """``compiled``'s memory per device; None if its backend reports none.
+
+  The peak (``memory_analysis().peak_memory_in_bytes``), or where the
+  backend does not count temporaries in it, temp + arguments + outputs -
+  aliased, an upper bound (``measure`` says which).
+  """
+  memory = compiled.memory_analysis()
+  if memory is None:
+    return None
+  parts = (int(memory.temp_size_in_bytes), int(memory.argument_size_in_bytes),
+           int(memory.output_size_in_bytes), int(memory.alias_size_in_bytes))
+  if _peak_counts_temporaries(memory, _platform(compiled)):
+    return DeviceMemory(int(memory.peak_memory_in_bytes), PEAK, *parts)
+  temp, arguments, outputs, aliased = parts
+  return DeviceMemory(temp + arguments + outputs - aliased, TEMP_AND_ARGS,
+                      *parts)
 
 
 class _Measured(NamedTuple):
   """What compiling one candidate tells: memory and collectives.
 
-  Both None where the compiler refused the program for want of device
+  All None where the compiler refused the program for want of device
   memory (compile-only TPU devices: a program that exceeds the chip's HBM).
   """
 
   memory_bytes: int | None
   collectives: hlo.CollectiveCounts | None
+  memory_measure: str | None
 
 
 class Candidate(NamedTuple):
@@ -56,12 +126,15 @@ class Candidate(NamedTuple):
   num_microbatches: int
   gradient_sync: str
   gather_params: str
-  # Per device: temp + arguments + outputs - aliased. None: the compiler
-  # refused the program, more than the device's memory (it does not fit).
+  # Per device: the peak (device_memory). None: the compiler refused the
+  # program, more than the device's memory (it does not fit).
   memory_bytes: int | None
   collectives_per_update: int | None  # outside the loop + k * inside it.
   collectives: hlo.CollectiveCounts | None
   fits: bool  # memory_bytes <= the budget.
+  # PEAK, or TEMP_AND_ARGS: temp + arguments + outputs - aliased, where the
+  # backend counts no temporaries in its peak (XLA:CPU). None if refused.
+  memory_measure: str | None = None
 
 
 def _mib(num_bytes: int) -> str:
@@ -85,7 +158,8 @@ class Table(tuple):
       outside = c.collectives_per_update - c.num_microbatches * in_loop
       rows.append((
           str(c.num_microbatches), c.gradient_sync, c.gather_params,
-          _mib(c.memory_bytes),
+          _mib(c.memory_bytes) + ("" if c.memory_measure == PEAK
+                                  else f" ({c.memory_measure})"),
           f"{c.collectives_per_update} = {outside} + {c.num_microbatches}"
           f" x {in_loop}",
           "yes" if c.fits else "no",
@@ -107,20 +181,27 @@ class Plan(NamedTuple):
     gather_params: the chosen ``gather_params`` policy, likewise.
     value_and_grad: :func:`optax_accum.value_and_grad` built with these
       settings.
-    memory_bytes: the chosen step's memory per device, in bytes (temporaries
-      + arguments + outputs - aliased).
+    memory_bytes: the chosen step's memory per device, in bytes: its peak,
+      ``memory_analysis().peak_memory_in_bytes`` (each buffer once,
+      arguments and outputs included). Before issue 38 it was temp +
+      arguments + outputs - aliased, which it still is where the backend
+      counts no temporaries in its peak (XLA:CPU): ``memory_measure``.
     collectives_per_update: the chosen step's collectives per update: those
       outside the loop + ``k`` times those inside it.
-    table: every candidate compiled, in order; ``print`` shows it aligned.
+    table: every candidate compiled, in order; ``print`` shows it aligned
+      (a memory read as temp + args is marked ``(temp+args)``).
+    memory_measure: ``"peak"``, or ``"temp+args"`` where the backend gives
+      no peak that counts temporaries (an upper bound).
   """
 
   num_microbatches: int
   gradient_sync: str
   gather_params: str
   value_and_grad: Callable[..., Any]  # oa.value_and_grad with these settings.
-  memory_bytes: int  # the chosen step's, per device.
+  memory_bytes: int  # the chosen step's peak, per device.
   collectives_per_update: int  # the chosen step's.
   table: Table
+  memory_measure: str = PEAK  # or TEMP_AND_ARGS: how memory_bytes was read.
 
 
 def _hashable(value: Any) -> Any:
@@ -168,25 +249,21 @@ def _measure(fn: Callable[..., Any], step: planner_step.Step) -> _Measured:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
     if _refused_for_memory(e):
-      return _Measured(None, None)
+      return _Measured(None, None, None)
     e.add_note("plan_microbatches: compiling this candidate failed; a"
                " compiler refusal for want of memory (RESOURCE_EXHAUSTED)"
                " would have counted as 'does not fit'.")
     raise
-  memory = compiled.memory_analysis()
+  memory = device_memory(compiled)
   if memory is None:
     raise RuntimeError(
-        f"The {jax.default_backend()} backend does not report memory"
+        f"The {_platform(compiled)} backend does not report memory"
         " (compiled.memory_analysis() is None): plan_microbatches cannot"
         " plan on it."
     )
-  return _Measured(
-      memory_bytes=int(
-          memory.temp_size_in_bytes + memory.argument_size_in_bytes
-          + memory.output_size_in_bytes - memory.alias_size_in_bytes
-      ),
-      collectives=hlo.count_collectives(compiled),
-  )
+  return _Measured(memory_bytes=memory.memory_bytes,
+                   collectives=hlo.count_collectives(compiled),
+                   memory_measure=memory.measure)
 
 
 def _per_update(counts: hlo.CollectiveCounts | None, k: int) -> int | None:
@@ -248,9 +325,12 @@ def plan_microbatches(
 
   Compiles :func:`optax_accum.value_and_grad` steps ahead of time
   (``jax.jit(fn).lower(params, batch, *args).compile()``, nothing runs) and
-  reads each one's per-device memory (temp + arguments + outputs - aliased
-  bytes of ``memory_analysis()``) and its collectives per update (outside the
-  loop + ``k`` times inside it, from :func:`optax_accum.count_collectives`).
+  reads each one's per-device memory, its peak (``memory_analysis()``'s
+  ``peak_memory_in_bytes``: each buffer once, arguments and outputs
+  included; where the backend counts no temporaries in its peak, XLA:CPU,
+  temp + arguments + outputs - aliased, marked ``"temp+args"``) and its
+  collectives per update (outside the loop + ``k`` times inside it, from
+  :func:`optax_accum.count_collectives`).
   It returns the smallest ``k`` for which some step fits ``memory_budget``
   and, among the steps that fit at that ``k``, the ``gradient_sync`` /
   ``gather_params`` policy that communicates least (then the one with less
@@ -305,8 +385,9 @@ def plan_microbatches(
   Returns:
     A :class:`Plan`: ``num_microbatches``, ``gradient_sync``,
     ``gather_params``, ``value_and_grad`` (built with them), the chosen
-    step's ``memory_bytes`` and ``collectives_per_update``, and ``table``,
-    every candidate compiled (``print(plan.table)`` shows it).
+    step's ``memory_bytes`` and ``collectives_per_update``, ``table``,
+    every candidate compiled (``print(plan.table)`` shows it), and
+    ``memory_measure`` (``"peak"`` or ``"temp+args"``).
 
   Raises:
     ValueError: if no candidate fits; the message names the smallest
@@ -352,7 +433,8 @@ def plan_microbatches(
         return Plan(
             best.num_microbatches, best.gradient_sync, best.gather_params,
             planner_step.build_step(step, k, fsdp.Policy(*best[1:3])),
-            best.memory_bytes, best.collectives_per_update, Table(table))
+            best.memory_bytes, best.collectives_per_update, Table(table),
+            best.memory_measure)
   raise _no_fit(Table(table), budget)
 
 
@@ -370,4 +452,5 @@ def _candidate(step: planner_step.Step, k: int, chosen: fsdp.Policy,
   return Candidate(
       k, chosen.gradient_sync, chosen.gather_params, measured.memory_bytes,
       _per_update(measured.collectives, k), measured.collectives,
-      measured.memory_bytes is not None and measured.memory_bytes <= budget)
+      measured.memory_bytes is not None and measured.memory_bytes <= budget,
+      measured.memory_measure)
