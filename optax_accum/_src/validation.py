@@ -121,9 +121,10 @@ def wider_dtype(x: Any) -> jnp.dtype:
   dtype = jnp.result_type(x) if dtype is None else jnp.dtype(dtype)
   if not jnp.issubdtype(dtype, jnp.inexact):
     return jnp.dtype(jnp.float32)
+  # By size, not jnp.promote_types: strict dtype promotion refuses that.
   if jnp.issubdtype(dtype, jnp.complexfloating):
-    return jnp.promote_types(dtype, jnp.complex64)
-  return jnp.promote_types(dtype, jnp.float32)
+    return dtype if dtype.itemsize >= 16 else jnp.dtype(jnp.complex64)
+  return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
 
 
 def scalar_sum_dtype(accumulator_dtype: Any, params: Any = None) -> jnp.dtype:
@@ -138,8 +139,9 @@ def scalar_sum_dtype(accumulator_dtype: Any, params: Any = None) -> jnp.dtype:
   widest = jnp.dtype(jnp.float32)
   for leaf in jax.tree.leaves(params):
     dtype = wider_dtype(leaf)
-    if jnp.issubdtype(dtype, jnp.floating):
-      widest = jnp.promote_types(widest, dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and (
+        dtype.itemsize > widest.itemsize):
+      widest = dtype
   return widest
 
 

@@ -117,15 +117,16 @@ def test_check_train_step_passes_the_typed_step():
     oa.check_train_step(compiled, num_microbatches=8)
 
 
-def test_temporary_memory_falls_with_the_number_of_microbatches():
-  """With activations well over what XLA keeps outside HBM (temp 0)."""
+def test_peak_memory_falls_with_the_number_of_microbatches():
+  """With activations well over what XLA keeps outside HBM; the peak per
+  chip (peak_memory_in_bytes: each buffer once), as XLA spends it."""
   shape, names = DATA_TENSOR
   mesh = co.mesh(co.tpu_devices(), shape, names)
   cfg = _cfg(names, vocab=32768, seq=256, layers=1)
   args = _inputs(mesh, cfg, batch=128)
-  temp = [_compile(mesh, _typed(cfg, k), *args).memory_analysis()
-          .temp_size_in_bytes for k in (1, 2, 4)]
-  assert temp[0] > temp[1] > temp[2], temp
+  peak = [_compile(mesh, _typed(cfg, k), *args).memory_analysis()
+          .peak_memory_in_bytes for k in (1, 2, 4)]
+  assert peak[0] > peak[1] > peak[2], peak
 
 
 def test_deferred_micro_step_reduces_the_gradient_only_when_it_emits():
@@ -215,14 +216,7 @@ def test_fsdp_gradients_leave_the_loop_as_reduce_scatters():
   assert all_reduced <= co.replicated_bytes(args[0], "fsdp"), found
 
 
-@pytest.mark.parametrize("sync", [
-    "once",
-    pytest.param("every_microbatch", marks=pytest.mark.xfail(
-        strict=True, reason="XLA's TPU compiler moves sum += reduce_scatter(g)"
-        " out of the loop, as for FSDP's every_microbatch policy (issue 38,"
-        " item 4): ZeRO-2's in-loop reduce-scatters and their memory saving"
-        " are not there on TPU yet")),
-])
+@pytest.mark.parametrize("sync", ["once", "every_microbatch"])
 def test_zero_reduce_scatters_into_the_optimizer_shards(sync):
   """SPEC 12 on data x tensor: the parameters as the model lays them out,
   adamw's state sharded over data (oa.zero_specs). ZeRO-1: each leaf
@@ -270,3 +264,23 @@ def test_zero_reduce_scatters_into_the_optimizer_shards(sync):
              if c.collective == "all-gather" and "data" in c.axes
              and not c.looped]
   assert gathers
+
+
+@pytest.mark.parametrize("gather", ["once", "every_microbatch"])
+def test_fsdp_every_microbatch_sync_stays_in_the_loop_and_saves_memory(
+    gather):
+  """SPEC 11 (issue 38, item 4): XLA's TPU compiler moved each
+  `sum += reduce_scatter(g)` out of the loop, compiling the policy to
+  "once"'s program; an optimization barrier pins it. The sharded sum then
+  holds 1/N of the gradient through the loop: a lower peak."""
+  mesh, cfg, args = _setup(FSDP)
+  peaks = {}
+  for sync in ("once", "every_microbatch"):
+    compiled = _compile(mesh, _typed(cfg, gradient_sync=sync,
+                                     gather_params=gather), *args)
+    found = co.data_reductions(compiled, mesh, cfg.batch_axes)
+    looped = [c for c in found
+              if c.collective == "reduce-scatter" and c.looped]
+    assert bool(looped) == (sync == "every_microbatch"), found
+    peaks[sync] = compiled.memory_analysis().peak_memory_in_bytes
+  assert peaks["every_microbatch"] < peaks["once"], peaks

@@ -38,6 +38,7 @@ import time
 from typing import Any, NamedTuple
 
 import jax
+from jax import lax
 import jax.extend
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -200,11 +201,17 @@ class TypedLayout(NamedTuple):
           lambda gs, bs, c: [b + token_weighting.weighted(g, c, b.dtype)
                              for g, b in zip(gs, bs)],
           [g for _, g, _ in local], [b for _, _, b in local], c)
+      synced = [(i, collectives.reduce_scatter_unreduced(
+          value, readers.full_spec(sums[i])))
+                for (i, _, _), value in zip(local, new)
+                if self._syncs_in_loop(i)]
+      # An optimization barrier between each reduce-scatter and its add, so
+      # that XLA's TPU compiler cannot move them out of the loop (summing
+      # whole partials through it, the memory the policy saves).
+      pinned = dict(zip([i for i, _ in synced], lax.optimization_barrier(
+          [s for _, s in synced])))
       for (i, _, _), value in zip(local, new):
-        if self._syncs_in_loop(i):
-          value = sums[i] + collectives.reduce_scatter_unreduced(
-              value, readers.full_spec(sums[i]))
-        out[i] = value
+        out[i] = sums[i] + pinned[i] if i in pinned else value
     return self.treedef.unflatten(out)
 
   # The noise scale: two groups of leaves (docs/noise_scale.md).
