@@ -286,3 +286,18 @@ def test_bad_zero_arguments_are_named():
   tx = oa.accumulate(optax.sgd(0.1), 2, shard_optimizer="data")
   with pytest.raises(ValueError, match=r"jax\.set_mesh"):
     tx.init({"w": jnp.zeros(8)})
+
+
+def test_the_planner_plans_zero_steps():
+  """param_specs=zero_specs makes the FSDP policies apply: ZeRO-1 ("once")
+  moves fewest collectives, and fits, so it is chosen without compiling
+  ZeRO-2 (which the planner tries when it does not fit)."""
+  with jax.set_mesh(_mesh()):
+    params = jax.device_put(_params(), P())
+    batch = jax.device_put(jax.tree.map(
+        lambda *x: jnp.concatenate(x), *_micro_batches()[:K]), P("data"))
+    plan = oa.plan_microbatches(
+        _loss, params, batch, memory_budget=2**30, candidates=[2],
+        num_tokens_fn=_tokens, param_specs=oa.zero_specs(params, "data"))
+  assert (plan.num_microbatches, plan.gradient_sync) == (2, "once")
+  assert [c.gradient_sync for c in plan.table] == ["once"]

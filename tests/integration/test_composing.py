@@ -15,7 +15,7 @@ import pytest
 import helpers
 import optax_accum as oa
 
-K, UPDATES, DIM = 3, 4, 4
+K, UPDATES, DIM = 3, 3, 4
 
 
 def _data():
@@ -86,11 +86,16 @@ NOT_EXACT = {
 def _full_batch_run(make_full, windows, params):
   tx = make_full()
   state = tx.init(params)
-  for window in windows:
-    batch = jax.tree.map(lambda *x: jnp.concatenate(x), *window)
+
+  @jax.jit
+  def step(params, state, batch):
     loss, grads = jax.value_and_grad(helpers.mlp_mean_loss)(params, batch)
     updates, state = tx.update(grads, state, params, value=loss)
-    params = optax.apply_updates(params, updates)
+    return optax.apply_updates(params, updates), state
+
+  for window in windows:
+    batch = jax.tree.map(lambda *x: jnp.concatenate(x), *window)
+    params, state = step(params, state, batch)
   return params
 
 

@@ -91,8 +91,9 @@ def zero_specs(tree: Any, axis_name: readers.AxisName, *,
     >>> import optax_accum as oa
     >>> mesh = jax.make_mesh((8,), ('data',), axis_types=(AxisType.Explicit,))
     >>> params = {'w': jnp.zeros((16, 4)), 'b': jnp.zeros(3)}
-    >>> oa.zero_specs(params, 'data', mesh=mesh)
-    {'b': PartitionSpec(), 'w': PartitionSpec('data',)}
+    >>> specs = oa.zero_specs(params, 'data', mesh=mesh)
+    >>> {name: tuple(spec) for name, spec in specs.items()}
+    {'b': (), 'w': ('data',)}
   """
   mesh = _mesh(mesh)
   data_axes = check_data_axes(axis_name, mesh)

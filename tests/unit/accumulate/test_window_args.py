@@ -147,15 +147,20 @@ def test_zoom_linesearch_inside_accumulate_matches_the_full_batch():
   params = full_params = {"w": jnp.zeros(4)}
   state, full_state = tx.init(params), full.init(full_params)
   value_fn = lambda p: _ls_loss(p, batch)
+
+  def step(tx, params, state, mb, num_tokens):
+    value, g = jax.value_and_grad(_ls_loss)(params, mb)
+    return tx.update(g, state, params, value=value, grad=g,
+                     value_fn=value_fn, **num_tokens)
+
+  micro_step = jax.jit(lambda *a: step(tx, *a, {"num_tokens": a[-1][
+      "mask"].sum()}))
+  full_step = jax.jit(lambda *a: step(full, *a, {}))
   for _ in range(3):
     for mb in micro:
-      value, g = jax.value_and_grad(_ls_loss)(params, mb)
-      updates, state = tx.update(g, state, params, num_tokens=mb["mask"].sum(),
-                                 value=value, grad=g, value_fn=value_fn)
+      updates, state = micro_step(params, state, mb)
     params = optax.apply_updates(params, updates)
-    value, g = jax.value_and_grad(_ls_loss)(full_params, batch)
-    updates, full_state = full.update(g, full_state, full_params, value=value,
-                                      grad=g, value_fn=value_fn)
+    updates, full_state = full_step(full_params, full_state, batch)
     full_params = optax.apply_updates(full_params, updates)
     helpers.assert_trees_close(params, full_params, rtol=1e-5, atol=1e-6)
   assert float(_ls_loss(params, batch)) < float(
