@@ -46,6 +46,7 @@ BENCHMARKS = (
     "bench_compiled",        # k. compiled for TPU v5e chips (needs libtpu)
     "bench_deferred",        # l. the deferred loop without axis_name, d x t
     "bench_nnx_deferred",    # m. the deferred loop in an nnx.Optimizer
+    "bench_zero",            # n. ZeRO-1 / ZeRO-2 vs data parallel and FSDP
 )
 RESULTS_DIR = os.path.join(_HERE, "results")
 
