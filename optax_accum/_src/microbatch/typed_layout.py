@@ -201,17 +201,21 @@ class TypedLayout(NamedTuple):
           lambda gs, bs, c: [b + token_weighting.weighted(g, c, b.dtype)
                              for g, b in zip(gs, bs)],
           [g for _, g, _ in local], [b for _, _, b in local], c)
-      synced = [(i, collectives.reduce_scatter_unreduced(
-          value, readers.full_spec(sums[i])))
-                for (i, _, _), value in zip(local, new)
-                if self._syncs_in_loop(i)]
+      scattered = {i: collectives.reduce_scatter_unreduced(
+          value, readers.full_spec(sums[i]))
+                   for (i, _, _), value in zip(local, new)
+                   if self._syncs_in_loop(i)}
       # An optimization barrier between each reduce-scatter and its add, so
       # that XLA's TPU compiler cannot move them out of the loop (summing
-      # whole partials through it, the memory the policy saves).
-      pinned = dict(zip([i for i, _ in synced], lax.optimization_barrier(
-          [s for _, s in synced])))
+      # whole partials through it, the memory the policy saves). Only for
+      # shards left unreduced over no axis: jax 0.9's barrier loses the sum
+      # of one still unreduced over other data axes (HSDP), counted once per
+      # device of those axes.
+      pin = [i for i, x in scattered.items() if not readers.unreduced_axes(x)]
+      scattered.update(zip(pin, lax.optimization_barrier(
+          [scattered[i] for i in pin])))
       for (i, _, _), value in zip(local, new):
-        out[i] = sums[i] + pinned[i] if i in pinned else value
+        out[i] = sums[i] + scattered[i] if i in scattered else value
     return self.treedef.unflatten(out)
 
   # The noise scale: two groups of leaves (docs/noise_scale.md).
