@@ -83,6 +83,29 @@ def detect_sum_layout(axis_name: readers.AxisName | None, updates: Any,
   return slot_sums.SlotSums(axis_name)
 
 
+def _missing_count(equal_weights: Any) -> token_weighting.MissingCount:
+  """The count of an ``update`` call given no ``num_tokens``."""
+  return token_weighting.MissingCount(
+      "oa.accumulate",
+      "num_tokens=n to each update call (n: the number of tokens that"
+      " micro-batch's loss averaged over)",
+      validation.check_bool("equal_weights", equal_weights),
+  )
+
+
+def _emitter(inner, layout, step, inner_state, params,
+             extra_args) -> emitting.Emitter:
+  """The call's :class:`emitting.Emitter`; on shards, a refusal explained."""
+  try:
+    return emitting.emitter(
+        inner, layout.summed_like(step.grads), step.grads, inner_state,
+        params, extra_args, step.leaf_rules, layout.finish_updates)
+  except compat.sharding_type_error() as e:
+    if isinstance(layout, zero_sums.ZeroSums):
+      zero_sums.note_for_matrices(e)
+    raise
+
+
 def _check_zero(shard_optimizer, gradient_sync, axis_name, with_stats,
                 grad_reduction) -> zero_sums.ZeroSums | None:
   """``shard_optimizer`` and ``gradient_sync``, checked together."""
@@ -294,12 +317,7 @@ def accumulate(
   skip_nonfinite = validation.check_bool("skip_nonfinite", skip_nonfinite)
   should_skip = validation.check_optional_callable("should_skip", should_skip)
   with_stats = validation.check_bool("with_stats", with_stats)
-  missing_count = token_weighting.MissingCount(
-      "oa.accumulate",
-      "num_tokens=n to each update call (n: the number of tokens that"
-      " micro-batch's loss averaged over)",
-      validation.check_bool("equal_weights", equal_weights),
-  )
+  missing_count = _missing_count(equal_weights)
   grad_reduction = grad_reduction_lib.check_grad_reduction(grad_reduction,
                                                            axis_name)
   value_fn_over_window = validation.check_bool("value_fn_over_window",
@@ -323,13 +341,8 @@ def accumulate(
     if zero is None:
       return state_lib.init_state(inner.init(params), params,
                                   accumulator_dtype, axis_name, with_stats)
-    zero_sums.check_mesh(zero.data_axes)
-    state = state_lib.init_state(
-        inner.init(zero_sums.sharded(params, zero.data_axes)), params,
-        accumulator_dtype, None, with_stats)
-    return state._replace(grad_sum=zero_sums.init_sums(
-        params, jax.tree.map(lambda s: s.dtype, state.grad_sum),
-        zero.data_axes, zero.gradient_sync))
+    return zero_sums.init_state(zero, inner, params, accumulator_dtype,
+                                with_stats)
 
   def update_fn(updates, state, params=None, *, num_tokens=None, emit=None,
                 **extra_args):
@@ -348,16 +361,8 @@ def accumulate(
     micro_step = optax.safe_increment(state.micro_step)
     emit = _should_emit(
         emit, micro_step, _cycle_length(every_k, state.count), layout)
-    try:
-      emitter = emitting.emitter(
-          inner, layout.summed_like(step.grads), step.grads,
-          state.inner_state, params, extra_args, step.leaf_rules,
-          layout.finish_updates,
-      )
-    except compat.sharding_type_error() as e:
-      if zero is not None:
-        zero_sums.note_for_matrices(e)
-      raise
+    emitter = _emitter(inner, layout, step, state.inner_state, params,
+                       extra_args)
 
     def emit_branch(cycle, inner_state, stats):
       with jax.named_scope(EMIT_SCOPE):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from optax_accum._src.accumulate import emitting
 from optax_accum._src.accumulate import microstep
+from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import typed_sums
 from optax_accum._src.mesh import collectives
@@ -64,15 +65,17 @@ def check_mesh(data_axes: tuple[str, ...]) -> None:
         f" {dict(zip(mesh.axis_names, mesh.axis_types)) or 'no mesh'}).")
 
 
-def init_sums(params: Any, dtypes: Any, data_axes: tuple[str, ...],
-              gradient_sync: str) -> Any:
-  """The running sums: whole like the parameters (ZeRO-1), or shards."""
-  zeros = jax.tree.map(
-      lambda p, d: jnp.zeros_like(p, dtype=microstep.sum_dtype(p, d)),
-      params, dtypes)
-  if gradient_sync == EVERY_MICROBATCH:
-    return sharded(zeros, data_axes)
-  return zeros
+def init_state(zero: "ZeroSums", inner: Any, params: Any,
+               accumulator_dtype: Any, with_stats: bool) -> Any:
+  """``accumulate``'s first state: ``inner``'s state in shards, the running
+  sums whole like the parameters (ZeRO-1) or in shards (ZeRO-2)."""
+  check_mesh(zero.data_axes)
+  state = state_lib.init_state(
+      inner.init(sharded(params, zero.data_axes)), params, accumulator_dtype,
+      None, with_stats)
+  if zero.gradient_sync == EVERY_MICROBATCH:
+    state = state._replace(grad_sum=sharded(state.grad_sum, zero.data_axes))
+  return state
 
 
 class ZeroSums(NamedTuple):
