@@ -46,9 +46,8 @@ def scatter(leaf: Any, spec: P) -> tuple[Any, set[str]]:
   for dim, dim_axes in readers.sharded_dims(spec):
     leaf = compat.blockwise(
         lambda x, dim=dim, dim_axes=dim_axes: compat.summed_in_float32(
-            lambda y: lax.psum_scatter(
-                y, readers.entry(dim_axes), scatter_dimension=dim,
-                tiled=True), x),
+            lambda y: compat.psum_scatter(y, readers.entry(dim_axes), dim),
+            x),
         leaf)
     used.update(dim_axes)
   return leaf, used
@@ -171,7 +170,7 @@ def reduce_scatter_unreduced(s: Any, target: P) -> Any:
       names = (tuple(a for a in readers.axes_of(entry) if a in over)
                if entry else ())
       if names:
-        x = lax.psum_scatter(x, names, scatter_dimension=dim, tiled=True)
+        x = compat.psum_scatter(x, names, dim)
     if summed:
       x = lax.psum(x, summed)
     return x.astype(dtype)

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax import lax
 import jax.errors
+from jax.experimental import layout as jax_layout
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -105,6 +106,31 @@ def summed_in_float32(collective: Callable[[Any], Any], tree: Any) -> Any:
   out = jax.tree.leaves(collective(treedef.unflatten(wide)))
   return treedef.unflatten([y.astype(x.dtype) if n else y
                             for x, y, n in zip(leaves, out, narrow)])
+
+
+def psum_scatter(x: Any, axis_name: Any, dim: int) -> Any:
+  """Workaround: ``lax.psum_scatter(x, axis_name, scatter_dimension=dim,
+  tiled=True)`` that XLA's TPU compiler keeps a reduce-scatter.
+
+  Its ``reduce-scatter-decomposer`` (after layout assignment) turns a
+  reduce-scatter into a whole all-reduce and a slice unless the scattered
+  dimension is the second-minor of the result's layout, the sublane one.
+  Layout assignment often picks another: a 4-D sum carried out of the
+  micro-batch loop (qkv's ``f32[d, 3, heads, head_dim]``) gets its row-major
+  layout, and a 2-D view of it the transposed one. On TPU the result's
+  layout is pinned here (the scattered dimension second-minor, the last
+  other one minor); elsewhere nothing changes (the GPU backend keeps the
+  reduce-scatter, the CPU one all-reduces either way). Remove when XLA's TPU
+  compiler lays a reduce-scatter out for itself
+  (``tests/compiled/test_compiled_tpu.py`` counts the reduce-scatters).
+  """
+  y = lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if y.ndim < 2 or getattr(device, "platform", None) != "tpu":
+    return y
+  rest = [i for i in range(y.ndim) if i != dim]
+  return jax_layout.with_layout_constraint(
+      y, jax_layout.Layout(major_to_minor=(*rest[:-1], dim, rest[-1])))
 
 
 def psum_over_size1_axes(tree: Any, names: tuple[str, ...]) -> Any:

@@ -225,8 +225,8 @@ class ManualLayout(NamedTuple):
   def scatter_rows(self, cotangents, like):
     del like
     return _over_rows(
-        lambda x: compat.summed_in_float32(lambda y: lax.psum_scatter(
-            y, self.axis_name, scatter_dimension=0, tiled=True), x),
+        lambda x: compat.summed_in_float32(
+            lambda y: compat.psum_scatter(y, self.axis_name, 0), x),
         cotangents)
 
   def loss_params(self, held):
