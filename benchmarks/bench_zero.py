@@ -160,17 +160,7 @@ def _step(cfg, specs, k, layout, opt):
   grad_fn = oa.value_and_grad(
       tm.loss_fn(cfg), num_microbatches=k, num_tokens_fn=tm.num_tokens,
       param_specs=specs if zero else None, gradient_sync=SYNC[layout])
-
-  def step(params, opt_state, batch):
-    loss, grads = grad_fn(params, batch)
-    updates, opt_state = opt.update(grads, opt_state,
-                                    jax.sharding.reshard(params, specs))
-    updates = jax.tree.map(
-        lambda u, p: jax.sharding.reshard(u, jax.typeof(p).sharding.spec),
-        updates, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  return step
+  return co.zero_step(grad_fn, opt, specs)
 
 
 def _compile(mesh, fn, *args):

@@ -23,6 +23,7 @@ from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 import numpy as np
+import optax
 
 from optax_accum._src.tools import hlo
 
@@ -108,3 +109,31 @@ def reduced_bytes(c, mesh_) -> int:
   if c.collective == "reduce-scatter":
     return c.nbytes * math.prod(mesh_.shape[a] for a in c.axes)
   return c.nbytes
+
+
+def zero_step(grad_fn, opt, specs):
+  """A ZeRO update step: ``grad_fn``'s gradient (already in the shards of
+  ``specs``, from ``param_specs=specs``) into ``opt``, whose state is sharded
+  by ``specs``; the updates resharded back to the parameters' layout (the
+  all-gather) and applied. Returns ``step(params, opt_state, batch) ->
+  (params, opt_state, loss)``."""
+
+  def step(params, opt_state, batch):
+    loss, grads = grad_fn(params, batch)
+    updates, opt_state = opt.update(grads, opt_state,
+                                    jax.sharding.reshard(params, specs))
+    updates = jax.tree.map(
+        lambda u, p: jax.sharding.reshard(u, jax.typeof(p).sharding.spec),
+        updates, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+def zero_state(opt, params, mesh_, specs):
+  """The abstract state of ``opt`` for ``params`` sharded by ``specs``."""
+  with jax.set_mesh(mesh_):
+    return jax.eval_shape(opt.init, jax.tree.map(
+        lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype,
+                                          sharding=NamedSharding(mesh_, s)),
+        params, specs))

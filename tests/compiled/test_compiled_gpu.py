@@ -108,3 +108,23 @@ def test_check_train_step_passes_the_typed_step():
   assert found["trip_counts"] == [4] and found["in_loop"] == {}
   assert found["reduced_elements"] == found["gradient_elements"]
   assert "runs 4 times, expected 8" in checked["wrong"]
+
+
+@pytest.mark.parametrize("sync", ["once", "every_microbatch"])
+def test_zero_reduce_scatters_into_the_optimizer_shards(report, sync):
+  """SPEC 12 on 8 H100s: ZeRO-1 reduce-scatters each leaf once, after the
+  loop; ZeRO-2 in it. The updates come back by all-gathers. Left over:
+  'pos' (the fallback leaf, whose per-micro-batch all-reduce XLA's GPU
+  compiler moves after the loop, as a reduce-scatter) and the 1-D norms."""
+  m = report["zero"][sync]
+  scatters = [r for r in m["reductions"] if r[0] == "reduce-scatter"]
+  looped = [r for r in scatters if r[2]]
+  assert scatters and bool(looped) == (sync == "every_microbatch"), m
+  if sync == "once":
+    assert not [r for r in m["reductions"] if r[2]], m
+  else:  # an async collective's bytes count its operand and its result.
+    after = sum(r[1] for r in m["reductions"] if not r[2])
+    assert after <= 2 * report["zero"]["whole_bytes"], m
+  all_reduced = sum(r[1] for r in m["reductions"] if r[0] == "all-reduce")
+  assert all_reduced <= 2 * report["zero"]["whole_bytes"], m
+  assert m["gathers"], m

@@ -232,23 +232,10 @@ def test_zero_reduce_scatters_into_the_optimizer_shards(sync):
           jax.tree.leaves(params),
           jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)))
       if "data" not in jax.tree.leaves(tuple(spec)) or p.ndim == 1)
-  grad_fn = _typed(cfg, param_specs=specs, gradient_sync=sync)
-
-  def step(params, opt_state, batch):
-    _, grads = grad_fn(params, batch)
-    updates, opt_state = opt.update(grads, opt_state,
-                                    jax.sharding.reshard(params, specs))
-    updates = jax.tree.map(
-        lambda u, p: jax.sharding.reshard(u, jax.typeof(p).sharding.spec),
-        updates,
-        params)
-    return optax.apply_updates(params, updates), opt_state
-
-  with jax.set_mesh(mesh):
-    opt_state = jax.eval_shape(opt.init, jax.tree.map(
-        lambda p, s: jax.ShapeDtypeStruct(
-            p.shape, p.dtype, sharding=jax.sharding.NamedSharding(mesh, s)),
-        params, specs))
+  zero_step = co.zero_step(
+      _typed(cfg, param_specs=specs, gradient_sync=sync), opt, specs)
+  step = lambda *args: zero_step(*args)[:2]  # the loss, XLA combines with.
+  opt_state = co.zero_state(opt, params, mesh, specs)
   compiled = _compile(mesh, step, params, opt_state, batch)
   found = co.data_reductions(compiled, mesh, cfg.batch_axes)
   scatters = [c for c in found if c.collective == "reduce-scatter"]

@@ -13,6 +13,7 @@ import warnings
 
 import jax
 from jax.sharding import PartitionSpec as P
+import optax
 
 import optax_accum as oa
 from optax_accum._src.tools import hlo
@@ -63,6 +64,43 @@ def gpu_report() -> dict:
                        co.data_reductions(compiled, mesh_, (names[0],))],
         "pos_bytes": cfg.seq * cfg.dim * 4,
         "replicated_bytes": co.replicated_bytes(params, names[0]),
+    }
+  out["zero"] = _zero_report(devices)
+  return out
+
+
+def _zero_report(devices) -> dict:
+  """SPEC 12 on data x tensor: adamw's state sharded over data by
+  oa.zero_specs; per gradient_sync, the data reductions and the all-gathers
+  after the loop, and the bytes the norms and 'pos' may all-reduce."""
+  mesh_ = co.mesh(devices, (4, 2), ("data", "tensor"))
+  cfg = tm.Config(vocab=512, seq=128, dim=128, heads=4, ffn=512, layers=1,
+                  batch_axes=("data",), tensor="tensor")
+  params = co.abstract(jax.eval_shape(lambda: tm.init(cfg)), mesh_,
+                       tm.specs(cfg))
+  data = jax.eval_shape(lambda: tm.batch(cfg, 64))
+  data = co.abstract(data, mesh_, jax.tree.map(lambda _: P("data"), data))
+  opt = optax.adamw(1e-3)
+  with jax.set_mesh(mesh_):
+    specs = oa.zero_specs(params, "data")
+  out = {"whole_bytes": cfg.seq * cfg.dim * 4 + sum(
+      p.size * p.dtype.itemsize for p in jax.tree.leaves(params)
+      if p.ndim == 1)}
+  for sync in ("once", "every_microbatch"):
+    step = co.zero_step(oa.value_and_grad(
+        tm.loss_fn(cfg), num_microbatches=4, num_tokens_fn=tm.num_tokens,
+        param_specs=specs, gradient_sync=sync), opt, specs)
+    with jax.set_mesh(mesh_), warnings.catch_warnings():
+      warnings.simplefilter("ignore", UserWarning)
+      compiled = jax.jit(lambda *a, step=step: step(*a)[:2]).lower(
+          params, co.zero_state(opt, params, mesh_, specs), data).compile()
+    out[sync] = {
+        "reductions": [[c.collective, c.nbytes, c.looped] for c in
+                       co.data_reductions(compiled, mesh_, ("data",))],
+        "gathers": sum(1 for c in hlo.collectives(compiled, mesh_)
+                       if c.collective == "all-gather" and "data" in c.axes
+                       and not c.looped),
+        "peak": compiled.memory_analysis().peak_memory_in_bytes,
     }
   return out
 
