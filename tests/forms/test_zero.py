@@ -301,3 +301,28 @@ def test_the_planner_plans_zero_steps():
         num_tokens_fn=_tokens, param_specs=oa.zero_specs(params, "data"))
   assert (plan.num_microbatches, plan.gradient_sync) == (2, "once")
   assert [c.gradient_sync for c in plan.table] == ["once"]
+
+
+def test_sharding_report_names_the_leaves_zero_keeps_whole():
+  """SPEC 12 item 4: "odd" (3 floats) has no dimension that 8 divides; the
+  report and its message name it, and only it."""
+  with jax.set_mesh(_mesh()):
+    params = jax.device_put(_params(), P())
+    batch = jax.device_put(jax.tree.map(
+        lambda *x: jnp.concatenate(x), *_micro_batches()[:K]), P("data"))
+    grad_fn = oa.value_and_grad(
+        _loss, num_microbatches=K, num_tokens_fn=_tokens,
+        param_specs=oa.zero_specs(params, "data"))
+    report = oa.sharding_report(jax.jit(grad_fn), params, batch)
+    plain = oa.sharding_report(jax.jit(oa.value_and_grad(
+        _loss, num_microbatches=K, num_tokens_fn=_tokens)), params, batch)
+  assert report.whole_leaves == ("params['odd']",)
+  assert report.whole_bytes == 3 * 4
+  assert not {"params['w1']", "params['w2']"} & set(report.whole_leaves)
+  assert "param_specs= keeps 1 parameter leaves whole over ['data']" in (
+      report.message())
+  assert "params['odd'] (12 bytes" in report.message()
+  assert "their optimizer state is held whole on every device" in (
+      report.message())
+  # Without param_specs nothing is kept whole on purpose: nothing is said.
+  assert plain.whole_leaves == () and "param_specs=" not in plain.message()

@@ -16,7 +16,10 @@ only when the trace with every leaf reduced fails, so a model without such
 leaves is traced once, as without this module.
 
 :class:`Report` says which leaves they are and what the fallback costs: their
-bytes, reduced in each micro-batch rather than once per call. The runner
+bytes, reduced in each micro-batch rather than once per call; and which
+leaves ``param_specs=`` keeps whole over the data axes (those that
+:func:`optax_accum.zero_specs` cannot shard, such as a bias of odd length):
+all-reduced, not reduce-scattered. The runner
 warns once per set of leaves where that cost is not small (:data:`WARN_ABOVE`),
 and :func:`optax_accum.sharding_report` gives the report of a call on request,
 small or not. The fix that needs no rewrite of Flax's or Equinox's layers is
@@ -26,7 +29,7 @@ The casts that JAX accepts and XLA compiles wrongly are refused before the
 search by :mod:`cast_checks`.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 import contextlib
 import contextvars
 import math
@@ -81,6 +84,13 @@ class Report(NamedTuple):
     deferred: whether the call defers the rest of the gradient's reduction
       (``gradient_sync="deferred"``): the fallback leaves are then reduced in
       every call, the rest once per update.
+    whole_leaves: the paths of the parameter leaves that ``param_specs=``
+      keeps whole over the data axes (with :func:`optax_accum.zero_specs`,
+      those with no dimension that the data size divides: biases, norms,
+      odd vocabularies): their gradient is all-reduced rather than
+      reduce-scattered, and their optimizer state is whole on every device.
+      Empty without ``param_specs=``.
+    whole_bytes: their gradient's bytes.
   """
 
   data_axes: tuple[str, ...]
@@ -90,6 +100,8 @@ class Report(NamedTuple):
   seconds: float
   num_microbatches: int = 1
   deferred: bool = False
+  whole_leaves: tuple[str, ...] = ()
+  whole_bytes: int = 0
 
   @property
   def fallback_share(self) -> float:
@@ -118,6 +130,29 @@ class Report(NamedTuple):
 
   def message(self) -> str:
     """The report in words."""
+    return self._fallback_message() + self._whole_message()
+
+  def _whole_message(self) -> str:
+    """The leaves kept whole over the data axes in words, if any."""
+    if not self.whole_leaves:
+      return ""
+    once = "once per update"
+    if set(self.whole_leaves) & set(self.fallback_leaves):
+      once += " (the fallback leaves among them as said above)"
+    return (
+        f" param_specs= keeps {len(self.whole_leaves)} parameter leaves"
+        f" whole over {list(self.data_axes)} (no dimension of theirs is"
+        " sharded over them; with oa.zero_specs, none that the data size"
+        f" divides): {', '.join(self.whole_leaves)}"
+        f" ({_size(self.whole_bytes)},"
+        f" {self.whole_bytes / max(self.total_bytes, 1):.2%} of the"
+        f" gradient's bytes); their gradient is all-reduced {once} rather"
+        " than reduce-scattered, and their optimizer state is held"
+        " whole on every device."
+    )
+
+  def _fallback_message(self) -> str:
+    """The fallback leaves in words, or that there are none."""
     if not self.fallback_leaves:
       return (
           "Every parameter is typed reduced over"
@@ -204,18 +239,28 @@ def find(attempt: Callable[[frozenset[int]], Any],
 
 def report(params: Any, fallback: list[int], data_axes: tuple[str, ...],
            seconds: float, num_microbatches: int = 1,
-           deferred: bool = False) -> Report:
-  """The :class:`Report` of leaves ``fallback`` of ``params``."""
+           deferred: bool = False, whole: Sequence[int] = ()) -> Report:
+  """The :class:`Report` of leaves ``fallback`` of ``params``, with leaves
+  ``whole`` kept whole over the data axes by ``param_specs=``."""
   leaves = jax.tree_util.tree_leaves_with_path(params)
+
+  def paths(indices: Sequence[int]) -> tuple[str, ...]:
+    return tuple(
+        f"params{jax.tree_util.keystr(leaves[i][0])}" for i in indices)
+
+  def nbytes(indices: Sequence[int]) -> int:
+    return sum(_nbytes(leaves[i][1]) for i in indices)
+
   return Report(
       data_axes=data_axes,
-      fallback_leaves=tuple(
-          f"params{jax.tree_util.keystr(leaves[i][0])}" for i in fallback),
-      fallback_bytes=sum(_nbytes(leaves[i][1]) for i in fallback),
+      fallback_leaves=paths(fallback),
+      fallback_bytes=nbytes(fallback),
       total_bytes=sum(_nbytes(leaf) for _, leaf in leaves),
       seconds=seconds,
       num_microbatches=num_microbatches,
       deferred=deferred,
+      whole_leaves=paths(whole),
+      whole_bytes=nbytes(whole),
   )
 
 
@@ -277,7 +322,10 @@ def sharding_report(fn: Callable[..., Any], *args: Any,
     ``fallback_leaves`` (their paths), ``fallback_bytes`` and
     ``fallback_share`` of the gradient's bytes, ``reduced_bytes_per_call``
     (once per micro-batch), ``extra_share`` (what that adds to one
-    reduction of the gradient), ``warns``, and ``message()``.
+    reduction of the gradient), ``warns``, ``whole_leaves`` and
+    ``whole_bytes`` (the leaves that ``param_specs=`` keeps whole over the
+    data axes, e.g. those :func:`optax_accum.zero_specs` cannot shard), and
+    ``message()``.
 
   Raises:
     ValueError: if ``fn`` traced no typed loop (no Explicit data axes).

@@ -396,9 +396,12 @@ def build_typed(
     fallback = reduced_fallbacks.find(attempt, candidates)
     seconds = time.perf_counter() - started
     partials = attempt(frozenset(c for c in candidates if c not in fallback))
+  whole = [] if param_specs is None else [
+      i for i, t in enumerate(targets)
+      if not readers.data_axes_in(t, axis_name)]
   reduced_fallbacks.publish(reduced_fallbacks.report(
       params, fallback, readers.axes_of(axis_name), seconds,
       num_microbatches=num_microbatches,
-      deferred=policy.gradient_sync == fsdp.DEFERRED))
+      deferred=policy.gradient_sync == fsdp.DEFERRED, whole=whole))
   return layout_for(frozenset(c for c in candidates if c not in fallback)), (
       partials)
