@@ -60,10 +60,7 @@ def _micro_batches(rows=2 * N):
 
 
 def _optimizer():
-  return optax.chain(
-      optax.clip_by_global_norm(0.5),
-      optax.adamw(optax.linear_schedule(0.05, 0.01, UPDATES),
-                  weight_decay=0.1))
+  return helpers.clipped_adamw(UPDATES)
 
 
 def _full_batch(micro_batches):

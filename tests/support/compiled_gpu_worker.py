@@ -21,6 +21,20 @@ from zoo import compile_only as co
 from zoo import typed_model as tm
 
 
+def _problem(devices, shape, names, axes):
+  """The mesh, a one-layer decoder over it, its parameters and a batch of 64
+  sequences sharded over the first axis (abstract)."""
+  mesh_ = co.mesh(devices, shape, names)
+  cfg = tm.Config(vocab=512, seq=128, dim=128, heads=4, ffn=512, layers=1,
+                  batch_axes=(names[0],), **axes)
+  params = co.abstract(jax.eval_shape(lambda: tm.init(cfg)), mesh_,
+                       tm.specs(cfg))
+  data = jax.eval_shape(lambda: tm.batch(cfg, 64))
+  data = co.abstract(data, mesh_,
+                     jax.tree.map(lambda _: P(names[0]), data))
+  return mesh_, cfg, params, data
+
+
 def gpu_report() -> dict:
   """What test_compiled_gpu.py checks, read from 8 compile-only H100s.
 
@@ -32,14 +46,7 @@ def gpu_report() -> dict:
   for name, shape, names, axes in (
       ("data x tensor", (4, 2), ("data", "tensor"), {"tensor": "tensor"}),
       ("fsdp", (8,), ("fsdp",), {"fsdp": "fsdp"})):
-    mesh_ = co.mesh(devices, shape, names)
-    cfg = tm.Config(vocab=512, seq=128, dim=128, heads=4, ffn=512, layers=1,
-                    batch_axes=(names[0],), **axes)
-    params = co.abstract(jax.eval_shape(lambda cfg=cfg: tm.init(cfg)),
-                         mesh_, tm.specs(cfg))
-    data = jax.eval_shape(lambda cfg=cfg: tm.batch(cfg, 64))
-    spec = P(names[0])
-    data = co.abstract(data, mesh_, jax.tree.map(lambda _, s=spec: s, data))
+    mesh_, cfg, params, data = _problem(devices, shape, names, axes)
     fn = oa.value_and_grad(tm.loss_fn(cfg), num_microbatches=4,
                            num_tokens_fn=tm.num_tokens)
     with jax.set_mesh(mesh_), warnings.catch_warnings():
@@ -73,13 +80,8 @@ def _zero_report(devices) -> dict:
   """SPEC 12 on data x tensor: adamw's state sharded over data by
   oa.zero_specs; per gradient_sync, the data reductions and the all-gathers
   after the loop, and the bytes the norms and 'pos' may all-reduce."""
-  mesh_ = co.mesh(devices, (4, 2), ("data", "tensor"))
-  cfg = tm.Config(vocab=512, seq=128, dim=128, heads=4, ffn=512, layers=1,
-                  batch_axes=("data",), tensor="tensor")
-  params = co.abstract(jax.eval_shape(lambda: tm.init(cfg)), mesh_,
-                       tm.specs(cfg))
-  data = jax.eval_shape(lambda: tm.batch(cfg, 64))
-  data = co.abstract(data, mesh_, jax.tree.map(lambda _: P("data"), data))
+  mesh_, cfg, params, data = _problem(
+      devices, (4, 2), ("data", "tensor"), {"tensor": "tensor"})
   opt = optax.adamw(1e-3)
   with jax.set_mesh(mesh_):
     specs = oa.zero_specs(params, "data")

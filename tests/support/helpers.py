@@ -26,6 +26,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from optax_accum._src.mesh import readers
@@ -403,3 +404,12 @@ def worker_env(**overrides: str) -> dict[str, str]:
       p for p in (str(ROOT), str(SUPPORT), os.environ.get("PYTHONPATH", ""))
       if p)
   return env
+
+
+def clipped_adamw(updates: int):
+  """Global-norm clipping at 0.5, then adamw with weight decay and a linear
+  schedule over ``updates``: the chain the ZeRO tests train with."""
+  return optax.chain(
+      optax.clip_by_global_norm(0.5),
+      optax.adamw(optax.linear_schedule(0.05, 0.01, updates),
+                  weight_decay=0.1))
