@@ -35,11 +35,13 @@ _COMPUTATION_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")
 _OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
 # XLA's TPU compiler writes a reduce-scatter as a fusion whose emitter is
-# this (backend_config), calling a computation of an all-reduce and the
+# this (backend_config; "SingleInputAllReduceScatterFusion" where it pads the
+# operand first), calling a computation of an all-reduce and the
 # dynamic-slice of each device's part: one reduce-scatter, of the fusion's
 # result (a ring's reduce-scatter, not an all-reduce; libtpu 0.0.42).
-_REDUCE_SCATTER_FUSION = '"emitter":"AllReduceScatterFusion"'
+_REDUCE_SCATTER_FUSION = re.compile(r'"emitter":"\w*AllReduceScatterFusion"')
 _NAME = re.compile(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=")
+
 _OPERANDS = re.compile(r"^[a-z][a-z0-9\-]*\(([^()]*)\)")
 _CALLED = re.compile(
     r"\b(condition|body|to_apply|calls|branch_computations|true_computation"
@@ -84,6 +86,11 @@ class Collective(NamedTuple):
   # Whether it reduces scalars only: every part of its result is a scalar,
   # or its operand is XLA's concatenation of scalars (its GPU combiner's).
   scalar: bool
+
+
+def is_reduce_scatter_fusion(line: str) -> bool:
+  """Whether the instruction ``line`` is XLA TPU's fused reduce-scatter."""
+  return _REDUCE_SCATTER_FUSION.search(line) is not None
 
 
 def _ints(text: str | None) -> list[int]:
@@ -303,7 +310,7 @@ def parse_collectives(text: str, positions: Any = None,
             or _concatenates_scalars(rest, name, computations)))
       if opcode in _ASYNC_CONTINUATIONS:  # the same computation as its start.
         continue
-      fused_scatter = line if _REDUCE_SCATTER_FUSION in line else None
+      fused_scatter = line if is_reduce_scatter_fusion(line) else None
       for attribute, called in _CALLED.findall(rest):
         for callee in called.strip("{}").split(","):
           callee = callee.strip().lstrip("%")

@@ -66,7 +66,7 @@ def walk(entry: str, computations: dict[str, Any]):
       yield Instruction(opcode, rest, line, name, loops, branches, scatter)
       if opcode in hlo_text._ASYNC_CONTINUATIONS:
         continue
-      fused = line if hlo_text._REDUCE_SCATTER_FUSION in line else None
+      fused = line if hlo_text.is_reduce_scatter_fusion(line) else None
       here = hlo_text._name(line)
       for attribute, called in hlo_text._CALLED.findall(rest):
         for callee in called.strip("{}").split(","):
