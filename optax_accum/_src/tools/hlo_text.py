@@ -41,7 +41,6 @@ _OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
 # result (a ring's reduce-scatter, not an all-reduce; libtpu 0.0.42).
 _REDUCE_SCATTER_FUSION = re.compile(r'"emitter":"\w*AllReduceScatterFusion"')
 _NAME = re.compile(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=")
-
 _OPERANDS = re.compile(r"^[a-z][a-z0-9\-]*\(([^()]*)\)")
 _CALLED = re.compile(
     r"\b(condition|body|to_apply|calls|branch_computations|true_computation"
