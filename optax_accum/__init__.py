@@ -16,6 +16,9 @@ from optax_accum._src.accumulate.state_access import (
 from optax_accum._src.accumulate.state_access import grad_stats as grad_stats
 from optax_accum._src.accumulate.state_access import has_updated as has_updated
 from optax_accum._src.accumulate.state_access import tokens_seen as tokens_seen
+from optax_accum._src.accumulate.state_access import (
+    update_and_apply as update_and_apply,
+)
 from optax_accum._src.accumulate.transform import accumulate as accumulate
 from optax_accum._src.mesh.axes import device_local as device_local
 from optax_accum._src.mesh.zero import zero_specs as zero_specs
@@ -76,6 +79,7 @@ __all__ = (
     "sharding_report",
     "state_partition_specs",
     "tokens_seen",
+    "update_and_apply",
     "value_and_grad",
     "zero_specs",
 )

@@ -164,3 +164,31 @@ def test_zero_updates_are_written_once_not_copied():
   step = jax.jit(train_step, donate_argnums=(0, 1))
   text = step.lower(params, tx.init(params), params).compile().as_text()
   assert _param_sized_copies(text, shape) == 0
+
+
+def test_update_and_apply_micro_step_peaks_no_higher_than_multisteps():
+  """SPEC 11 (issue 38, item 3) on CPU: a donated micro-step that applies
+  in the emitting branch (oa.update_and_apply) against optax.MultiSteps's
+  micro-step and apply_updates, both with adamw."""
+  import optax  # pylint: disable=import-outside-toplevel
+
+  params = {f"w{i}": jax.ShapeDtypeStruct((512, 512), jnp.float32)
+            for i in range(4)}
+  inner = optax.adamw(1e-3, weight_decay=1e-4)
+  ours = oa.accumulate(inner, 4, equal_weights=True)
+  theirs = optax.MultiSteps(inner, 4)
+
+  def multi_step(params, state, grads):
+    updates, state = theirs.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  peaks = {}
+  for name, tx, fn in (
+      ("ours", ours, lambda p, s, g: oa.update_and_apply(ours, g, s, p)),
+      ("MultiSteps", theirs, multi_step)):
+    state = jax.eval_shape(tx.init, params)
+    peaks[name] = _peak(jax.jit(fn, donate_argnums=(0, 1, 2)).lower(
+        params, state, params).compile())
+  assert peaks["ours"].peak <= peaks["MultiSteps"].peak, peaks
+  assert peaks["ours"].beyond_operands <= (
+      peaks["MultiSteps"].beyond_operands), peaks

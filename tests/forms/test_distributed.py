@@ -227,9 +227,12 @@ def _reference_trajectory(inner, steps):
   return params
 
 
-def _shard_map_step(tx):
+def _shard_map_step(tx, fused=False):
   def step(params, state, batch):
     grads = jax.grad(mean_loss)(oa.device_local(params, "data"), batch)
+    if fused:  # applied in the emitting branch.
+      return oa.update_and_apply(tx, grads, state, params,
+                                 num_tokens=num_tokens(batch))
     updates, state = tx.update(
         grads, state, params, num_tokens=num_tokens(batch)
     )
@@ -238,9 +241,11 @@ def _shard_map_step(tx):
   return step
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize("axis_type,fused", [
+    (AxisType.Explicit, False), (AxisType.Auto, False),
+    (AxisType.Explicit, True)])
 def test_accumulate_in_shard_map_reduces_only_in_the_emitting_branch(
-    axis_type,
+    axis_type, fused,
 ):
   inner = optax.sgd(0.5, momentum=0.9)  # scale-sensitive, unlike adam.
   tx = oa.accumulate(inner, every_k=K, axis_name="data")
@@ -249,7 +254,7 @@ def test_accumulate_in_shard_map_reduces_only_in_the_emitting_branch(
     state = tx.init(params)  # one slot per device, sharded over the axis.
     specs = oa.state_partition_specs(state, "data")
     step = jax.jit(jax.shard_map(
-        _shard_map_step(tx), in_specs=(P(), specs, P("data")),
+        _shard_map_step(tx, fused), in_specs=(P(), specs, P("data")),
         out_specs=(P(), specs),
     ))
     # Micro-step i of a cycle: every device's i-th slice of the batch.

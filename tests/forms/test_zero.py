@@ -151,14 +151,18 @@ def test_value_and_grad_zero_matches_the_full_batch(sync):
   oa.check_train_step(compiled, num_microbatches=K, gradient_sync=sync)
 
 
-def _micro_step(tx):
-  """One jit call per micro-batch: a deferred gradient, then tx.update."""
+def _micro_step(tx, fused=False):
+  """One jit call per micro-batch: a deferred gradient, then tx.update (or
+  oa.update_and_apply, with ``fused``)."""
   grad_fn = oa.value_and_grad(_loss, num_microbatches=1,
                               num_tokens_fn=_tokens, gradient_sync="deferred")
 
   @jax.jit
   def micro_step(params, state, batch):
     _, grads = grad_fn(params, batch)
+    if fused:
+      return oa.update_and_apply(tx, grads, state, params,
+                                 num_tokens=_tokens(batch))
     updates, state = tx.update(grads, state, params,
                                num_tokens=_tokens(batch))
     return oa.apply_if_updated(params, updates, state), state
@@ -166,8 +170,8 @@ def _micro_step(tx):
   return micro_step
 
 
-def _accumulate_run(tx, micro_batches, mesh):
-  micro_step = _micro_step(tx)
+def _accumulate_run(tx, micro_batches, mesh, fused=False):
+  micro_step = _micro_step(tx, fused)
 
   with jax.set_mesh(mesh):
     params = jax.device_put(_params(), P())
@@ -207,6 +211,19 @@ def test_accumulate_zero_matches_the_full_batch(sync):
   else:
     assert counts.outside.get("reduce-scatter") == 2
   oa.check_train_step(compiled, num_microbatches=1, gradient_sync=sync)
+
+
+@pytest.mark.filterwarnings("ignore:1 parameter leaves cannot be typed")
+@pytest.mark.parametrize("shard_optimizer", [None, "data"])
+def test_update_and_apply_matches_the_full_batch(shard_optimizer):
+  """The updates applied in the emitting branch: the deferred typed form,
+  and ZeRO-1 (whose branch gathers the updates, then applies them)."""
+  micro_batches = _micro_batches()
+  tx = oa.accumulate(_optimizer(), K, shard_optimizer=shard_optimizer)
+  params, _, _ = _accumulate_run(tx, micro_batches, _mesh(), fused=True)
+  helpers.assert_trees_close(jax.device_get(params), _full_batch(
+      micro_batches), rtol=2e-5, atol=1e-6)
+  assert all(e is None for e in jax.typeof(params["w1"]).sharding.spec)
 
 
 @pytest.mark.filterwarnings("ignore:1 parameter leaves cannot be typed")

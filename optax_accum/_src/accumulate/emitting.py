@@ -57,8 +57,12 @@ class Emitter(NamedTuple):
   like_grads: Any  # the gradients' tree: the mean takes their dtypes.
   like_updates: Any  # ShapeDtypeStructs of inner's updates.
   rules: list[str] | None  # grad_reduction per leaf; None: all "mean".
-  # updates, grads -> the updates as returned (ZeRO's gather them).
+  # updates, grads -> the updates as returned (ZeRO's gather them; with
+  # update_and_apply, the parameters they make).
   finish: Callable[[Any, Any], Any]
+  # What a call that makes no update hands back: None for zero updates, or
+  # the parameters as they are (update_and_apply).
+  kept: Any = None
 
   def run_inner(self, grad_sum, token_count, value_sums, inner_state):
     mean = grad_reduction_lib.mean_by_rule(
@@ -72,6 +76,8 @@ class Emitter(NamedTuple):
 
   def skip_inner(self, grad_sum, token_count, value_sums, inner_state):
     del grad_sum, token_count, value_sums
+    if self.kept is not None:
+      return self.kept, inner_state
     return zeros_typed_like(self.like_updates), inner_state
 
   def emit(self, cycle: Cycle, inner_state, stats) -> Emitted:
@@ -107,12 +113,16 @@ def _stats_of(cycle: Cycle, rules) -> noise_scale.GradStats | None:
 
 
 def emitter(inner, reduced_grads, grads, inner_state, params, extra_args,
-            rules=None, finish=lambda updates, grads: updates):
+            rules=None, finish=lambda updates, grads: updates, apply=False):
   """The :class:`Emitter` of one ``update`` call.
 
   ``reduced_grads`` are the gradients as the reduced mean will be typed
   (shapes only), ``grads`` the incoming ones, whose dtypes the mean takes.
+  With ``apply`` the branches hand back the parameters, updated in the
+  emitting one (:func:`optax_accum.update_and_apply`).
   """
+  if apply:
+    finish = _applied(finish, params)
   like_updates = jax.eval_shape(
       lambda g, s: finish(inner.update(
           g, s, params, **window_args.for_inner(
@@ -121,7 +131,14 @@ def emitter(inner, reduced_grads, grads, inner_state, params, extra_args,
       reduced_grads, inner_state,
   )
   return Emitter(inner, params, extra_args, grads, like_updates, rules,
-                 finish)
+                 finish, params if apply else None)
+
+
+def _applied(finish, params):
+  """``finish``, then the updates applied to ``params`` (each leaf in its
+  parameter's dtype, as both branches of the conditional must agree)."""
+  return lambda updates, grads: optax.apply_updates(
+      params, finish(updates, grads))
 
 
 def zeros_typed_like(tree: Any) -> Any:

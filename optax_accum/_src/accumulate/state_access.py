@@ -303,3 +303,53 @@ def apply_if_updated(
   _check_like_params(params, updates)
   updated = has_updated(state)
   return lax.cond(updated, optax.apply_updates, _keep, params, updates)
+
+
+def update_and_apply(
+    tx: optax.GradientTransformation, grads: optax.Updates, state: Any,
+    params: optax.Params, **kwargs: Any,
+) -> tuple[optax.Params, Any]:
+  """One micro-step of ``tx``, its update applied to ``params`` in place.
+
+  For :func:`optax_accum.accumulate`, the updates are applied inside its
+  emitting branch and ``params`` pass through the other one, so that no
+  updates leave the conditional: with the parameters donated to the jitted
+  train step, XLA's TPU compiler then needs no parameter-sized buffer of
+  updates (``tx.update`` with :func:`apply_if_updated` needs one, the
+  conditional's output; ``docs/performance.md``). The result is that of
+  ``tx.update`` and :func:`apply_if_updated`, and a non-emitting call still
+  runs no inner update. Any other ``tx`` (an ``optax.chain`` around
+  ``accumulate``) takes that path: its updates leave the conditional.
+
+  Args:
+    tx: the transformation, best an :func:`optax_accum.accumulate`.
+    grads: this micro-step's gradients.
+    state: ``tx``'s state.
+    params: the parameters (donate them to the jitted step).
+    **kwargs: ``num_tokens``, ``emit`` and any extra argument of ``tx``.
+
+  Returns:
+    The new parameters and the new state.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_accum as oa
+    >>> tx = oa.accumulate(optax.sgd(1.0), every_k=2, equal_weights=True)
+    >>> params = {'w': jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> step = jax.jit(lambda p, s, g: oa.update_and_apply(tx, g, s, p),
+    ...                donate_argnums=(0, 1))
+    >>> params, state = step(params, state, {'w': jnp.array([1., 3.])})
+    >>> params, state = step(params, state, {'w': jnp.array([3., 1.])})
+    >>> params['w']
+    Array([-1., -1.], dtype=float32)
+  """
+  if params is None:
+    raise ValueError("update_and_apply needs the parameters: params=None.")
+  fused = getattr(tx.update, "update_and_apply", None)
+  if fused is not None:
+    return fused(grads, state, params, **kwargs)
+  updates, state = tx.update(grads, state, params, **kwargs)
+  return apply_if_updated(params, updates, state), state

@@ -94,12 +94,12 @@ def _missing_count(equal_weights: Any) -> token_weighting.MissingCount:
 
 
 def _emitter(inner, layout, step, inner_state, params,
-             extra_args) -> emitting.Emitter:
+             extra_args, apply) -> emitting.Emitter:
   """The call's :class:`emitting.Emitter`; on shards, a refusal explained."""
   try:
     return emitting.emitter(
         inner, layout.summed_like(step.grads), step.grads, inner_state,
-        params, extra_args, step.leaf_rules, layout.finish_updates)
+        params, extra_args, step.leaf_rules, layout.finish_updates, apply)
   except compat.sharding_type_error() as e:
     if isinstance(layout, zero_sums.ZeroSums):
       zero_sums.note_for_matrices(e)
@@ -344,8 +344,7 @@ def accumulate(
     return zero_sums.init_state(zero, inner, params, accumulator_dtype,
                                 with_stats)
 
-  def update_fn(updates, state, params=None, *, num_tokens=None, emit=None,
-                **extra_args):
+  def step_fn(updates, state, params, num_tokens, emit, extra_args, apply):
     state_lib.check_state(updates, state, params)
     validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
     if extra_args and not takes_extra_args:
@@ -362,7 +361,7 @@ def accumulate(
     emit = _should_emit(
         emit, micro_step, _cycle_length(every_k, state.count), layout)
     emitter = _emitter(inner, layout, step, state.inner_state, params,
-                       extra_args)
+                       extra_args, apply)
 
     def emit_branch(cycle, inner_state, stats):
       with jax.named_scope(EMIT_SCOPE):
@@ -378,4 +377,15 @@ def accumulate(
       missing_count.warn()
     return emitted.updates, new_state
 
+  def update_fn(updates, state, params=None, *, num_tokens=None, emit=None,
+                **extra_args):
+    return step_fn(updates, state, params, num_tokens, emit, extra_args,
+                   apply=False)
+
+  def update_and_apply(grads, state, params, *, num_tokens=None, emit=None,
+                       **extra_args):
+    return step_fn(grads, state, params, num_tokens, emit, extra_args,
+                   apply=True)
+
+  update_fn.update_and_apply = update_and_apply
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
