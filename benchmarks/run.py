@@ -47,6 +47,7 @@ BENCHMARKS = (
     "bench_deferred",        # l. the deferred loop without axis_name, d x t
     "bench_nnx_deferred",    # m. the deferred loop in an nnx.Optimizer
     "bench_zero",            # n. ZeRO-1 / ZeRO-2 vs data parallel and FSDP
+    "bench_emit",            # o. the emitting micro-step, compiled
 )
 RESULTS_DIR = os.path.join(_HERE, "results")
 

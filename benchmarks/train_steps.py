@@ -9,8 +9,11 @@ import jax.numpy as jnp
 import optax
 
 import harness
+import optax_accum as oa
 
 NEVER = 2**30  # every_k for a transformation that never emits.
+# ``apply`` of train_step: ``oa.update_and_apply``, applied in the branch.
+IN_BRANCH = "oa.update_and_apply"
 
 
 def param_tree(leaves, size):
@@ -32,8 +35,13 @@ def apply_always(params, updates, state):
 def train_step(tx, apply=apply_always):
   """``tx.update`` and ``apply(params, updates, state)``, as a train step does.
 
-  ``apply`` is :func:`apply_always` or ``oa.apply_if_updated``.
+  ``apply`` is :func:`apply_always`, ``oa.apply_if_updated`` or
+  :data:`IN_BRANCH` (``oa.update_and_apply`` does both).
   """
+  if apply == IN_BRANCH:
+    return lambda params, state, grads: oa.update_and_apply(
+        tx, grads, state, params)
+
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
     return apply(params, updates, state), state
