@@ -1,7 +1,7 @@
 """Gradient accumulation, an optax transformation: one micro-batch per call."""
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -132,6 +132,57 @@ def _check_zero(shard_optimizer, gradient_sync, axis_name, with_stats,
         " grad_reduction other than 'mean' (got with_stats="
         f"{with_stats!r}, grad_reduction={grad_reduction!r}).")
   return zero_sums.ZeroSums(readers.axes_of(data_axes), gradient_sync)
+
+
+class _Step(NamedTuple):
+  """One ``update`` call of :func:`accumulate`, with its settings: the
+  updates, or with ``apply`` the parameters they make (applied in the
+  emitting branch, :func:`optax_accum.update_and_apply`), and the state."""
+
+  inner: optax.GradientTransformationExtraArgs
+  every_k: Any
+  axis_name: readers.AxisName | None
+  zero: Any
+  settings: microstep.UpdateSettings
+  takes_extra_args: bool
+  value_fn_over_window: bool
+  missing_count: token_weighting.MissingCount
+
+  def __call__(self, updates, state, params, num_tokens, emit, extra_args,
+               apply):
+    state_lib.check_state(updates, state, params)
+    validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
+    if extra_args and not self.takes_extra_args:
+      validation.refuse_extra_args("inner", extra_args)
+    value = window_args.checked_value(extra_args,
+                                       self.value_fn_over_window)
+    layout = detect_sum_layout(self.axis_name, updates, state.grad_sum,
+                               self.zero)
+    if num_tokens is None:
+      tokens = self.missing_count.count()  # warned once the call is checked.
+    else:
+      tokens = validation.as_token_count("num_tokens", num_tokens)
+    step = layout.add(updates, state, params, num_tokens, tokens, self.settings,
+                      value)
+    micro_step = optax.safe_increment(state.micro_step)
+    emit = _should_emit(
+        emit, micro_step, _cycle_length(self.every_k, state.count), layout)
+    emitter = _emitter(self.inner, layout, step, state.inner_state, params,
+                       extra_args, apply)
+
+    def emit_branch(cycle, inner_state, stats):
+      with jax.named_scope(EMIT_SCOPE):
+        return emitter.emit(layout.reduced(cycle, step.leaf_rules),
+                            inner_state, stats)
+
+    emitted = lax.cond(
+        emit, emit_branch, emitter.skip, step.cycle, state.inner_state,
+        state.stats,
+    )
+    new_state = state_lib.next_state(state, micro_step, emit, step, emitted)
+    if num_tokens is None:
+      self.missing_count.warn()
+    return emitted.updates, new_state
 
 
 def accumulate(
@@ -344,48 +395,16 @@ def accumulate(
     return zero_sums.init_state(zero, inner, params, accumulator_dtype,
                                 with_stats)
 
-  def step_fn(updates, state, params, num_tokens, emit, extra_args, apply):
-    state_lib.check_state(updates, state, params)
-    validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
-    if extra_args and not takes_extra_args:
-      validation.refuse_extra_args("inner", extra_args)
-    value = window_args.checked_value(extra_args, value_fn_over_window)
-    layout = detect_sum_layout(axis_name, updates, state.grad_sum, zero)
-    if num_tokens is None:
-      tokens = missing_count.count()  # warned once the call is checked.
-    else:
-      tokens = validation.as_token_count("num_tokens", num_tokens)
-    step = layout.add(updates, state, params, num_tokens, tokens, settings,
-                      value)
-    micro_step = optax.safe_increment(state.micro_step)
-    emit = _should_emit(
-        emit, micro_step, _cycle_length(every_k, state.count), layout)
-    emitter = _emitter(inner, layout, step, state.inner_state, params,
-                       extra_args, apply)
-
-    def emit_branch(cycle, inner_state, stats):
-      with jax.named_scope(EMIT_SCOPE):
-        return emitter.emit(layout.reduced(cycle, step.leaf_rules),
-                            inner_state, stats)
-
-    emitted = lax.cond(
-        emit, emit_branch, emitter.skip, step.cycle, state.inner_state,
-        state.stats,
-    )
-    new_state = state_lib.next_state(state, micro_step, emit, step, emitted)
-    if num_tokens is None:
-      missing_count.warn()
-    return emitted.updates, new_state
+  step = _Step(inner, every_k, axis_name, zero, settings, takes_extra_args,
+               value_fn_over_window, missing_count)
 
   def update_fn(updates, state, params=None, *, num_tokens=None, emit=None,
                 **extra_args):
-    return step_fn(updates, state, params, num_tokens, emit, extra_args,
-                   apply=False)
+    return step(updates, state, params, num_tokens, emit, extra_args, False)
 
   def update_and_apply(grads, state, params, *, num_tokens=None, emit=None,
                        **extra_args):
-    return step_fn(grads, state, params, num_tokens, emit, extra_args,
-                   apply=True)
+    return step(grads, state, params, num_tokens, emit, extra_args, True)
 
   update_fn.update_and_apply = update_and_apply
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
