@@ -6,6 +6,10 @@ tensor mesh; the compiled programs' collectives; the state's shards (1/N);
 a mid-window checkpoint; what is refused and why.
 """
 
+import inspect
+
+from flax import nnx
+from flax.nnx.training import optimizer as flax_optimizer
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -340,3 +344,45 @@ def test_sharding_report_names_the_leaves_zero_keeps_whole():
       report.message())
   # Without param_specs nothing is kept whole on purpose: nothing is said.
   assert plain.whole_leaves == () and "param_specs=" not in plain.message()
+
+
+def test_nnx_optimizer_sharding_metadata_makes_a_zero_state():
+  """SPEC 12: Variables carrying Flax's ``optimizer_sharding`` give the
+  accumulator and adamw sharded state (no argument of ours); each update's
+  gradient-sized updates are gathered back to the replicated parameters in
+  the emitting branch, and training matches the full batch."""
+  if "optimizer_sharding" not in inspect.getsource(flax_optimizer):
+    pytest.skip("this flax's nnx.Optimizer reads no optimizer_sharding")
+  micro_batches = _micro_batches()
+  with jax.set_mesh(_mesh()):
+
+    class Model(nnx.Module):
+
+      def __init__(self):
+        p = _params()
+        self.w1 = nnx.Param(p["w1"], optimizer_sharding=P("data", None))
+        self.w2 = nnx.Param(p["w2"], optimizer_sharding=P("data"))
+        self.odd = nnx.Param(p["odd"])  # 3 does not divide by 8: whole.
+
+    model = Model()
+    optimizer = nnx.Optimizer(model, oa.accumulate(_optimizer(), K),
+                              wrt=nnx.Param)
+
+    @nnx.jit
+    def micro_step(model, optimizer, batch):
+      def loss(model):
+        return _loss({"w1": model.w1[...], "w2": model.w2[...],
+                      "odd": model.odd[...]}, batch)
+      optimizer.update(model, nnx.grad(loss)(model),
+                       num_tokens=_tokens(batch))
+
+    for batch in micro_batches:
+      micro_step(model, optimizer, jax.device_put(batch, P("data")))
+    mu = optimizer.opt_state.inner_state[1][0].mu
+    assert _shard_size(mu["w1"][...]) == 16 * 32 // N
+    assert _shard_size(optimizer.opt_state.grad_sum["w1"][...]) == (
+        16 * 32 // N)
+    assert all(e is None for e in jax.typeof(model.w1[...]).sharding.spec)
+    got = {"w1": model.w1[...], "w2": model.w2[...], "odd": model.odd[...]}
+  helpers.assert_trees_close(jax.device_get(got), _full_batch(micro_batches),
+                             rtol=2e-5, atol=1e-6)

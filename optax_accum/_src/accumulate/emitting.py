@@ -121,6 +121,7 @@ def emitter(inner, reduced_grads, grads, inner_state, params, extra_args,
   With ``apply`` the branches hand back the parameters, updated in the
   emitting one (:func:`optax_accum.update_and_apply`).
   """
+  finish = _in_params_layout(finish, params)
   if apply:
     finish = _applied(finish, params)
   like_updates = jax.eval_shape(
@@ -132,6 +133,28 @@ def emitter(inner, reduced_grads, grads, inner_state, params, extra_args,
   )
   return Emitter(inner, params, extra_args, grads, like_updates, rules,
                  finish, params if apply else None)
+
+
+def _in_params_layout(finish, params):
+  """``finish``, each update then laid out as its parameter is.
+
+  A state that its owner sharded over the data axes (an ``nnx.Optimizer``
+  whose Variables carry Flax's ``optimizer_sharding``) makes sharded updates
+  of replicated parameters: gathered here, in the emitting branch, once per
+  update (ZeRO-1's all-gather), they leave the parameters as they were.
+  """
+  if params is None:
+    return finish
+
+  def like_param(u, p):
+    if (p is None or readers.sharded_by_explicit_axes(u) is None
+        or readers.unreduced_axes(p)
+        or readers.plain_spec(u) == readers.plain_spec(p)):
+      return u
+    return jax.sharding.reshard(u, readers.plain_spec(p))
+
+  return lambda updates, grads: jax.tree.map(
+      like_param, finish(updates, grads), params)
 
 
 def _applied(finish, params):

@@ -3,10 +3,10 @@
 Finding the accumulation state inside a larger optimizer state (a chain, an
 ``nnx.Optimizer``, a ``TrainState``), reading what it says
 (:func:`has_updated`, :func:`grad_stats`, :func:`tokens_seen`), and applying
-its updates only when it emitted (:func:`optax_accum.apply_if_updated`): a non-emitting
+its updates only when it emitted (:func:`apply_if_updated`): a non-emitting
 micro-step returns all-zero updates, which ``optax.apply_updates`` would add
 anyway, one pass over the parameters per micro-step for nothing;
-:func:`optax_accum.apply_if_updated` puts the add in the emitting branch of a
+:func:`apply_if_updated` puts the add in the emitting branch of a
 ``lax.cond``, so a non-emitting train step whose parameters are donated
 passes its parameters through untouched.
 """
@@ -315,11 +315,12 @@ def update_and_apply(
   emitting branch and ``params`` pass through the other one, so that no
   updates leave the conditional: with the parameters donated to the jitted
   train step, XLA's TPU compiler then needs no parameter-sized buffer of
-  updates (``tx.update`` with :func:`optax_accum.apply_if_updated` needs one, the
-  conditional's output; ``docs/performance.md``). The result is that of
-  ``tx.update`` and :func:`optax_accum.apply_if_updated`, and a non-emitting call still
-  runs no inner update. Any other ``tx`` (an ``optax.chain`` around
-  ``accumulate``) takes that path: its updates leave the conditional.
+  updates (``tx.update`` with :func:`optax_accum.apply_if_updated` needs
+  one, the conditional's output; ``docs/performance.md``). The result is
+  that of ``tx.update`` and :func:`optax_accum.apply_if_updated`, and a
+  non-emitting call still runs no inner update. Any other ``tx`` (an
+  ``optax.chain`` around ``accumulate``) takes that path: its updates leave
+  the conditional.
 
   Args:
     tx: the transformation, best an :func:`optax_accum.accumulate`.
