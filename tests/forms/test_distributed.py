@@ -322,12 +322,16 @@ def test_accumulate_in_shard_map_skips_one_devices_nonfinite_micro_step():
   np.testing.assert_array_equal(state.nonfinite_count, np.eye(N)[3])
 
 
-def test_accumulate_in_pmap_reduces_only_in_the_emitting_branch():
+@pytest.mark.parametrize("fused", [False, True])
+def test_accumulate_in_pmap_reduces_only_in_the_emitting_branch(fused):
   inner = optax.sgd(0.5, momentum=0.9)  # scale-sensitive, unlike adam.
   tx = oa.accumulate(inner, every_k=K, axis_name="data")
 
   def step(params, state, batch):
     grads = jax.grad(mean_loss)(params, batch)  # local under pmap.
+    if fused:  # applied in the emitting branch.
+      return oa.update_and_apply(tx, grads, state, params,
+                                 num_tokens=num_tokens(batch))
     updates, state = tx.update(
         grads, state, params, num_tokens=num_tokens(batch)
     )
