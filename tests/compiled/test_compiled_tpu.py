@@ -239,10 +239,15 @@ def test_zero_reduce_scatters_into_the_optimizer_shards(sync):
   compiled = _compile(mesh, step, params, opt_state, batch)
   found = co.data_reductions(compiled, mesh, cfg.batch_axes)
   scatters = [c for c in found if c.collective == "reduce-scatter"]
-  assert scatters and all(c.looped == (sync == "every_microbatch")
-                          for c in scatters), found
-  all_reduced = sum(c.nbytes for c in found if c.collective == "all-reduce")
-  assert all_reduced <= allowed, (allowed, found)
+  looped = [c for c in scatters if c.looped]
+  assert scatters and bool(looped) == (sync == "every_microbatch"), found
+  # Left after the loop, as all-reduces or as XLA's padded reduce-scatter
+  # fusion (of 'pos', whose per-micro-batch reduction XLA moves out of the
+  # loop): no more than the leaves above.
+  after = [c for c in found if not c.looped and (
+      c.collective == "all-reduce" or sync == "every_microbatch")]
+  assert sum(co.reduced_bytes(c, mesh) for c in after) <= allowed, (
+      allowed, found)
   gathers = [c for c in hlo.collectives(compiled, mesh)
              if c.collective == "all-gather" and "data" in c.axes
              and not c.looped]
