@@ -68,6 +68,8 @@ KEY = "n"
 TITLE = "ZeRO-1 / ZeRO-2 vs data parallelism and FSDP (TPU v5e compiled, CPU)"
 TOPOLOGY = "v5e:2x4"
 DEVICES = 8
+_TOY_MODEL = {"vocab": 64, "seq": 8, "dim": 32, "heads": 4, "ffn": 64,
+              "layers": 1}
 CONFIGS = {
     "full": {
         "tpu": True, "k": 8, "batch": 64, "model": {
@@ -84,12 +86,8 @@ CONFIGS = {
             "vocab": 512, "seq": 32, "dim": 128, "heads": 4, "ffn": 512,
             "layers": 2}},
     "toy": {
-        "tpu": False, "k": 2, "batch": 16, "model": {
-            "vocab": 64, "seq": 8, "dim": 32, "heads": 4, "ffn": 64,
-            "layers": 1},
-        "cpu_k": 2, "cpu_batch": 16, "reps": 1, "cpu_model": {
-            "vocab": 64, "seq": 8, "dim": 32, "heads": 4, "ffn": 64,
-            "layers": 1}},
+        "tpu": False, "k": 2, "batch": 16, "model": _TOY_MODEL,
+        "cpu_k": 2, "cpu_batch": 16, "reps": 1, "cpu_model": _TOY_MODEL},
 }
 DP, ZERO1, ZERO2 = "data parallel", "ZeRO-1", "ZeRO-2"
 FSDP1, FSDP2 = "FSDP once", "FSDP every micro-batch"
