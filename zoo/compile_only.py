@@ -19,12 +19,15 @@ import os
 import pathlib
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
+import optax_accum as oa
 from optax_accum._src.tools import hlo
 
 # The H100 target config of XLA's repository, as jaxlib 0.10.2 parses it.
@@ -137,3 +140,40 @@ def zero_state(opt, params, mesh_, specs):
         lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype,
                                           sharding=NamedSharding(mesh_, s)),
         params, specs))
+
+
+EMIT_KINDS = ("update_and_apply", "apply_if_updated", "MultiSteps")
+
+
+def emit_peak(device, kind, inner, leaves=4, size=1024, k=4) -> int:
+  """The peak of one donated micro-step on ``device``, compiled.
+
+  ``kind`` is one of :data:`EMIT_KINDS`: ``oa.update_and_apply``,
+  ``tx.update`` + ``oa.apply_if_updated`` (both of ``oa.accumulate``), or
+  ``optax.MultiSteps`` + ``optax.apply_updates``; ``leaves`` float32
+  parameters of ``size`` x ``size``, the gradients passed in.
+  """
+  mesh_ = mesh([device], (1,), ("x",))
+  params = abstract(
+      {f"w{i}": jax.ShapeDtypeStruct((size, size), jnp.float32)
+       for i in range(leaves)}, mesh_, {f"w{i}": P() for i in range(leaves)})
+  if kind == "MultiSteps":
+    tx = optax.MultiSteps(inner, every_k_schedule=k)
+  else:
+    tx = oa.accumulate(inner, every_k=k, equal_weights=True)
+
+  def step(params, state, grads):
+    if kind == "update_and_apply":
+      return oa.update_and_apply(tx, grads, state, params)
+    updates, state = tx.update(grads, state, params)
+    if kind == "MultiSteps":
+      return optax.apply_updates(params, updates), state
+    return oa.apply_if_updated(params, updates, state), state
+
+  with jax.set_mesh(mesh_):
+    state = jax.eval_shape(tx.init, params)
+  state = abstract(state, mesh_, jax.tree.map(lambda _: P(), state))
+  with jax.set_mesh(mesh_):
+    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
+        params, state, params).compile()
+  return compiled.memory_analysis().peak_memory_in_bytes

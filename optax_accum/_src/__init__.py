@@ -95,7 +95,9 @@ per call:
    |                    the window)
    |  emit or skip      lax.cond: layout.reduced (the one reduction per
    |                    update), then emitting.Emitter (inner on the mean,
-   |                    with window_args.for_inner's value and grad)
+   |                    with window_args.for_inner's value and grad); with
+   |                    update_and_apply, at_most_once.run_if (a loop of
+   |                    at most one trip: parameters updated in place)
   state.py              AccumulateState, its start and next value; a field
                         it lacks is read from the inner state
 

@@ -128,3 +128,16 @@ def test_zero_reduce_scatters_into_the_optimizer_shards(report, sync):
   all_reduced = sum(r[1] for r in m["reductions"] if r[0] == "all-reduce")
   assert all_reduced <= 2 * report["zero"]["whole_bytes"], m
   assert m["gathers"], m
+
+
+@pytest.mark.parametrize("inner", ["adamw", "muon"])
+def test_update_and_apply_emits_without_a_copy(report, inner):
+  """SPEC 11 (issue 38, item 3) on one H100: a donated micro-step of
+  oa.update_and_apply peaks no higher than optax.MultiSteps's. XLA's GPU
+  compiler copies the parameters that a conditional passes through: applied
+  in a loop of at most one trip, they are updated in place (both peak at
+  their arguments, but for our state's scalars)."""
+  peaks = report["emit"][inner]
+  scalars = 1024  # our state's counters and flags, a few hundred bytes.
+  assert peaks["update_and_apply"] <= peaks["MultiSteps"] + scalars, peaks
+  assert peaks["update_and_apply"] <= peaks["apply_if_updated"], peaks

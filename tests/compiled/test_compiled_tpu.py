@@ -274,34 +274,6 @@ def test_fsdp_every_microbatch_sync_stays_in_the_loop_and_saves_memory(
   assert peaks["every_microbatch"] < peaks["once"], peaks
 
 
-def _emit_peak(kind, inner, leaves=4, size=1024):
-  """The peak of one donated micro-step on one chip (k = 4), compiled."""
-  mesh = co.mesh(co.tpu_devices()[:1], (1,), ("x",))
-  params = co.abstract(
-      {f"w{i}": jax.ShapeDtypeStruct((size, size), jnp.float32)
-       for i in range(leaves)}, mesh, {f"w{i}": P() for i in range(leaves)})
-  if kind == "MultiSteps":
-    tx = optax.MultiSteps(inner, every_k_schedule=4)
-  else:
-    tx = oa.accumulate(inner, every_k=4, equal_weights=True)
-
-  def step(params, state, grads):
-    if kind == "update_and_apply":
-      return oa.update_and_apply(tx, grads, state, params)
-    updates, state = tx.update(grads, state, params)
-    if kind == "MultiSteps":
-      return optax.apply_updates(params, updates), state
-    return oa.apply_if_updated(params, updates, state), state
-
-  with jax.set_mesh(mesh):
-    state = jax.eval_shape(tx.init, params)
-  state = co.abstract(state, mesh, jax.tree.map(lambda _: P(), state))
-  with jax.set_mesh(mesh):
-    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
-        params, state, params).compile()
-  return compiled.memory_analysis().peak_memory_in_bytes
-
-
 @pytest.mark.parametrize("inner", ["adamw", "muon"])
 def test_update_and_apply_emits_without_a_copy(inner):
   """SPEC 11 (issue 38, item 3): applied in the emitting branch, a donated
@@ -309,8 +281,8 @@ def test_update_and_apply_emits_without_a_copy(inner):
   conditional's output costs tx.update + oa.apply_if_updated; it peaks no
   higher than optax.MultiSteps (which runs the inner every micro-step)."""
   opt = optax.adamw(1e-3) if inner == "adamw" else optax.contrib.muon(1e-3)
-  peaks = {kind: _emit_peak(kind, opt) for kind in (
-      "update_and_apply", "apply_if_updated", "MultiSteps")}
+  peaks = {kind: co.emit_peak(co.tpu_devices()[0], kind, opt)
+           for kind in co.EMIT_KINDS}
   param_bytes = 4 * 1024 * 1024 * 4
   assert peaks["update_and_apply"] <= peaks["MultiSteps"], peaks
   assert peaks["update_and_apply"] < peaks["apply_if_updated"], peaks

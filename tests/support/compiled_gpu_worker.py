@@ -73,6 +73,11 @@ def gpu_report() -> dict:
         "replicated_bytes": co.replicated_bytes(params, names[0]),
     }
   out["zero"] = _zero_report(devices)
+  out["emit"] = {
+      name: {kind: co.emit_peak(devices[0], kind, opt)
+             for kind in co.EMIT_KINDS}
+      for name, opt in (("adamw", optax.adamw(1e-3)),
+                        ("muon", optax.contrib.muon(1e-3)))}
   return out
 
 

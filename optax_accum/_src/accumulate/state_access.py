@@ -314,9 +314,13 @@ def update_and_apply(
   For :func:`optax_accum.accumulate`, the updates are applied inside its
   emitting branch and ``params`` pass through the other one, so that no
   updates leave the conditional: with the parameters donated to the jitted
-  train step, XLA's TPU compiler then needs no parameter-sized buffer of
-  updates (``tx.update`` with :func:`optax_accum.apply_if_updated` needs
-  one, the conditional's output; ``docs/performance.md``). The result is
+  train step, XLA needs no parameter-sized buffer of updates (``tx.update``
+  with :func:`optax_accum.apply_if_updated` needs one, the conditional's
+  output; ``docs/performance.md``). The choice is a loop of at most one
+  trip except on TPU (XLA's GPU compiler copies the parameters a
+  conditional passes through; the loop's it updates in place):
+  :func:`optax_accum.count_collectives` counts what runs in it as in a
+  branch. The result is
   that of ``tx.update`` and :func:`optax_accum.apply_if_updated`, and a
   non-emitting call still runs no inner update. Any other ``tx`` (an
   ``optax.chain`` around ``accumulate``) takes that path: its updates leave

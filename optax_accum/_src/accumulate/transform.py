@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_accum._src import validation
+from optax_accum._src.accumulate import at_most_once
 from optax_accum._src.accumulate import emitting
 from optax_accum._src.accumulate import manual_sums
 from optax_accum._src.accumulate import microstep
@@ -170,15 +171,22 @@ class _Step(NamedTuple):
     emitter = _emitter(self.inner, layout, step, state.inner_state, params,
                        extra_args, apply)
 
-    def emit_branch(cycle, inner_state, stats):
+    def emit_branch(cycle, inner_state, stats, emitter=emitter):
       with jax.named_scope(EMIT_SCOPE):
         return emitter.emit(layout.reduced(cycle, step.leaf_rules),
                             inner_state, stats)
 
-    emitted = lax.cond(
-        emit, emit_branch, emitter.skip, step.cycle, state.inner_state,
-        state.stats,
-    )
+    if apply:  # the parameters in the loop's carry, updated in place.
+      emitted = at_most_once.run_if(
+          emit, lambda e, cycle: emit_branch(
+              cycle, e.inner_state, e.stats, emitter.with_params(e.updates)),
+          emitter.skip(step.cycle, state.inner_state, state.stats),
+          step.cycle)
+    else:
+      emitted = lax.cond(
+          emit, emit_branch, emitter.skip, step.cycle, state.inner_state,
+          state.stats,
+      )
     new_state = state_lib.next_state(state, micro_step, emit, step, emitted)
     if num_tokens is None:
       self.missing_count.warn()

@@ -26,12 +26,16 @@ class CollectiveCounts(NamedTuple):
   ``"all-gather"``, ``"collective-permute"``, ``"all-to-all"``) to how many
   times it appears in the program text; names that do not appear are left out.
   A collective inside a loop body runs once per iteration; one inside a
-  branch of a conditional runs only when that branch is taken.
+  branch of a conditional runs only when that branch is taken, and so does
+  one inside :func:`optax_accum.update_and_apply`'s emitting step, a loop
+  of at most one trip (named ``optax_accum_at_most_once``), which counts as
+  a branch.
 
   Attributes:
     total: everywhere in the program.
     in_loop: inside a while loop (a scan, a fori_loop): once per iteration.
-    in_branch: inside a branch of a conditional (``lax.cond``).
+    in_branch: inside a branch of a conditional (``lax.cond``), or of a
+      loop of at most one trip (``optax_accum_at_most_once``).
     outside: neither in a loop nor in a branch: once per call.
     by_axes: with ``count_collectives(..., mesh=mesh)``, a dict from a tuple
       of mesh axis names (in mesh order) to the counts of the collectives
@@ -162,8 +166,10 @@ def count_collectives(
   reduce-scatters, all-gathers, collective-permutes and all-to-alls it has,
   and where: inside a while loop (the body of a :func:`jax.lax.scan` runs once
   per micro-batch), inside a branch of a conditional (such as the emitting
-  branch of :func:`optax_accum.accumulate`) or outside both. Counts are static:
-  one per instruction in the program text, whatever the trip count. XLA's
+  branch of :func:`optax_accum.accumulate`, or its loop of at most one trip
+  under :func:`optax_accum.update_and_apply`) or outside both. Counts are
+  static: one per instruction in the program text, whatever the trip count.
+  XLA's
   TPU compiler writes a reduce-scatter as an all-reduce and a slice fused
   under its ``AllReduceScatterFusion`` emitter: that counts as one
   reduce-scatter (of the fusion's result), which is what runs.

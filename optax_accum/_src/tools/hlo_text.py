@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from optax_accum._src.accumulate import at_most_once
+
 COLLECTIVES = (
     "all-reduce",
     "reduce-scatter",
@@ -65,6 +67,27 @@ _BRANCH_ATTRIBUTES = (
     "true_computation",
     "false_computation",
 )
+# A while named at_most_once.SCOPE runs once or not at all: a branch.
+_AT_MOST_ONCE = re.compile(
+    r'\bop_name="[^"]*' + re.escape(at_most_once.SCOPE) + r'/while"')
+
+
+def enclosure(opcode: str, rest: str, attribute: str) -> str | None:
+  """What calling a computation by ``attribute`` puts it in: "loop",
+  "branch" (a conditional's branch, or the body of a loop run at most once,
+  ``at_most_once.run_if``'s) or None."""
+  if attribute in _BRANCH_ATTRIBUTES:
+    return "branch"
+  if attribute in _LOOP_ATTRIBUTES:
+    once = opcode == "while" and runs_at_most_once(rest)
+    return "branch" if once else "loop"
+  return None
+
+
+def runs_at_most_once(rest: str) -> bool:
+  """Whether a while instruction (its text from the opcode on) is
+  ``at_most_once.run_if``'s."""
+  return _AT_MOST_ONCE.search(rest) is not None
 
 # The parts of a result's shape (dtype[dims]), and the bytes of each dtype.
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64"
@@ -314,10 +337,11 @@ def parse_collectives(text: str, positions: Any = None,
         for callee in called.strip("{}").split(","):
           callee = callee.strip().lstrip("%")
           if callee:
+            place = enclosure(opcode, rest, attribute)
             visit(
                 callee,
-                looped or attribute in _LOOP_ATTRIBUTES,
-                branched or attribute in _BRANCH_ATTRIBUTES,
+                looped or place == "loop",
+                branched or place == "branch",
                 path | {name},
                 fused_scatter if attribute == "calls" else scatter,
             )

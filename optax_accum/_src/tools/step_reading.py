@@ -73,9 +73,10 @@ def walk(entry: str, computations: dict[str, Any]):
           callee = callee.strip().lstrip("%")
           if not callee:
             continue
-          if attribute in hlo_text._LOOP_ATTRIBUTES:
+          place = hlo_text.enclosure(opcode, rest, attribute)
+          if place == "loop":
             inner_loops, inner_branches = loops + (here,), branches
-          elif attribute in hlo_text._BRANCH_ATTRIBUTES:
+          elif place == "branch":
             inner_loops, inner_branches = loops, branches + (callee,)
           else:
             inner_loops, inner_branches = loops, branches
@@ -108,7 +109,7 @@ def microbatch_loops(instructions, computations,
   """
   loops = []
   for inst in instructions:
-    if inst.opcode == "while":
+    if inst.opcode == "while" and not hlo_text.runs_at_most_once(inst.rest):
       op_name = _OP_NAME.search(inst.rest)
       loops.append(Loop(
           hlo_text._name(inst.line), trip_count(inst.rest, computations),

@@ -1,0 +1,64 @@
+"""``at_most_once.run_if``: a lax.cond written as a loop of at most one trip.
+
+What it computes (the body where the predicate holds, the carry as it was
+otherwise, under jit, vmap and shard_map), and how the readers of compiled
+programs place what runs in it: in a branch, not in a loop, and not moved out
+of it by XLA's loop-invariant code motion.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import optax_accum as oa
+from optax_accum._src.accumulate import at_most_once
+
+
+def _double_plus(x, y):
+  return {"a": 2.0 * x["a"] + y, "b": x["b"] - y}
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_runs_the_body_once_where_the_predicate_holds(pred):
+  x = {"a": jnp.arange(3.0), "b": jnp.ones(2)}
+  got = jax.jit(lambda p, x: at_most_once.run_if(p, _double_plus, x, 1.5))(
+      jnp.bool_(pred), x)
+  want = _double_plus(x, 1.5) if pred else x
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_each_batch_element_by_its_own_predicate_under_vmap():
+  preds = jnp.array([True, False, True])
+  xs = {"a": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones((3, 2))}
+  got = jax.vmap(lambda p, x: at_most_once.run_if(p, _double_plus, x, 1.0))(
+      preds, xs)
+  for i, pred in enumerate(preds):
+    x = jax.tree.map(lambda v, i=i: v[i], xs)
+    want = _double_plus(x, 1.0) if pred else x
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.tree.map(lambda v, i=i: v[i], got), want)
+
+
+def test_a_reduction_in_it_is_counted_in_a_branch_and_stays_there():
+  """A psum of a value the loop only reads is loop-invariant: without the
+  barrier, XLA hoists it out, to run on every call."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+
+  def step(pred, total, x):
+    def body(total, x):
+      return total + jax.lax.psum(x, "data")[0]
+    return at_most_once.run_if(pred[0], body, total, x)
+
+  fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")),
+                             out_specs=P()))
+  total, x = jnp.zeros(4), jnp.arange(32.0).reshape(8, 4)
+  for pred in (True, False):
+    got = fn(jnp.array([pred]), total, x)
+    np.testing.assert_allclose(got, x.sum(0) if pred else total)
+  counts = oa.count_collectives(
+      fn.lower(jnp.array([True]), total, x).compile())
+  assert counts.total == counts.in_branch == {"all-reduce": 1}, counts
+  assert counts.in_loop == {} and counts.outside == {}, counts
