@@ -19,6 +19,7 @@ import pytest
 import optax_accum as oa
 from optax_accum._src.tools import hlo
 from zoo import compile_only as co
+from zoo import fsdp_peer
 from zoo import typed_model as tm
 
 pytestmark = pytest.mark.skipif(co.missing_tpu() is not None,
@@ -272,6 +273,18 @@ def test_fsdp_every_microbatch_sync_stays_in_the_loop_and_saves_memory(
     assert bool(looped) == (sync == "every_microbatch"), found
     peaks[sync] = compiled.memory_analysis().peak_memory_in_bytes
   assert peaks["every_microbatch"] < peaks["once"], peaks
+
+
+def test_fsdp_once_peaks_no_higher_than_its_hand_written_peer():
+  """SPEC 11 (issue 38, item 2): "once" against its fair peer, the loop a
+  user would write to reduce once (zoo/fsdp_peer.py: parameters gathered
+  once, the whole gradient's sum held, reduce-scattered after the loop)."""
+  mesh, cfg, args = _setup(FSDP, vocab=4096, dim=256, ffn=1024)
+  peaks = {name: _compile(mesh, fn, *args).memory_analysis()
+           .peak_memory_in_bytes for name, fn in (
+               ("typed", _typed(cfg)),
+               ("peer", fsdp_peer.scan_whole_sum(cfg, mesh, K)))}
+  assert peaks["typed"] <= 1.01 * peaks["peer"], peaks
 
 
 @pytest.mark.parametrize("inner", ["adamw", "muon"])
