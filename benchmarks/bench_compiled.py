@@ -53,8 +53,6 @@ import sys
 import warnings
 
 import jax
-from jax import lax
-import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 import optax
@@ -63,6 +61,7 @@ import harness
 import optax_accum as oa
 import report
 from zoo import compile_only as co
+from zoo import peers
 from zoo import typed_model as tm
 
 KEY = "k"
@@ -99,46 +98,6 @@ PATTERNS = ("plain scan", "bf16 grad into f32 carry", "clipped carry",
 # oa.update_and_apply micro-step no higher than optax.MultiSteps's (but for
 # our state's scalars: 0.1%).
 SCAN_TARGET, MULTISTEPS_TARGET = 1.01, 1.001
-
-
-def _microbatches(batch, k, data_axes, devices):
-  """``(k, rows / k, ...)``: block i of every device's rows, no data moved."""
-  def cut(x):
-    rows = x.shape[0] // (devices * k)
-    x = x.reshape((devices, k, rows) + x.shape[1:],
-                  out_sharding=P(data_axes))
-    x = jnp.swapaxes(x, 0, 1)
-    return x.reshape((k, devices * rows) + x.shape[3:],
-                     out_sharding=P(None, data_axes))
-  return jax.tree.map(cut, batch)
-
-
-def _scan(loss_fn, k, data_axes, devices, pattern="plain scan"):
-  """A token-weighted ``lax.scan`` of ``jax.grad``, its carry per pattern."""
-  def weighted(params, microbatch):
-    return loss_fn(params, microbatch) * tm.num_tokens(microbatch)
-
-  def add(carry, g):
-    if pattern == "bf16 grad into f32 carry":
-      return carry + g.astype(jnp.bfloat16)
-    if pattern == "clipped carry":
-      return jnp.clip(carry + g, -1e4, 1e4)
-    if pattern == "NaN-guarded carry":
-      return jnp.where(jnp.all(jnp.isfinite(g)), carry + g, carry)
-    return carry + g
-
-  def step(params, batch):
-    def body(carry, microbatch):
-      value, grads = jax.value_and_grad(weighted)(params, microbatch)
-      return (carry[0] + value, jax.tree.map(add, carry[1], grads)), None
-
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (value, grads), _ = lax.scan(
-        body, zeros, _microbatches(batch, k, data_axes, devices))
-    tokens = jnp.maximum(tm.num_tokens(batch), 1.0)
-    return value / tokens, jax.tree.map(lambda g: g / tokens, grads)
-
-  return step
 
 
 def _multisteps(loss_fn, k):
@@ -227,8 +186,8 @@ def _mesh_run(name, cfg_run, devices):
       TYPED: (mesh, oa.value_and_grad(loss_fn, num_microbatches=k,
                                       num_tokens_fn=tm.num_tokens),
               (params, batch), False),
-      SCAN: (mesh, _scan(loss_fn, k, data_axes, n_data), (params, batch),
-             False),
+      SCAN: (mesh, peers.token_weighted_scan(loss_fn, k, data_axes, n_data),
+             (params, batch), False),
   }
   auto = co.mesh(devices, shape, names, AxisType.Auto)
   auto_params = co.abstract(shapes, auto, tm.specs(cfg))
@@ -266,7 +225,8 @@ def _mesh_run(name, cfg_run, devices):
     out["patterns"] = {}
     for pattern in PATTERNS:
       compiled, refused = _compile(
-          mesh, _scan(loss_fn, k, data_axes, n_data, pattern), params, batch)
+          mesh, peers.token_weighted_scan(loss_fn, k, data_axes, n_data,
+                                          pattern), params, batch)
       out["patterns"][pattern] = (
           {"refused": refused} if refused
           else _measure(compiled, mesh, data_axes, k, False))

@@ -45,8 +45,6 @@ from typing import NamedTuple
 import warnings
 
 import jax
-from jax import lax
-import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -55,6 +53,7 @@ import harness
 import optax_accum as oa
 from optax_accum._src.tools import hlo
 import report
+from zoo import peers
 from zoo import typed_model as tm
 
 KEY = "j"
@@ -129,40 +128,6 @@ def _per_update(nbytes, k, fallback_bytes):
           "kinds": nbytes["kinds"]}
 
 
-def _microbatches(batch, k, data_axes, devices):
-  """``(k, rows / k, ...)``: micro-batch i is block i of every device's rows.
-
-  The split moves no data, as the typed form's does.
-  """
-  def cut(x):
-    rows = x.shape[0] // (devices * k)
-    x = x.reshape((devices, k, rows) + x.shape[1:],
-                  out_sharding=P(data_axes))
-    x = jnp.swapaxes(x, 0, 1)
-    return x.reshape((k, devices * rows) + x.shape[3:],
-                     out_sharding=P(None, data_axes))
-  return jax.tree.map(cut, batch)
-
-
-def _naive_scan(loss_fn, k, data_axes, devices):
-  """``jax.grad`` in a ``lax.scan``, token-weighted: exact, reduces each."""
-  def weighted(params, microbatch):
-    return loss_fn(params, microbatch) * tm.num_tokens(microbatch)
-
-  def step(params, batch):
-    def body(carry, microbatch):
-      value, grads = jax.value_and_grad(weighted)(params, microbatch)
-      return jax.tree.map(jnp.add, carry, (value, grads)), None
-
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (value, grads), _ = lax.scan(
-        body, zeros, _microbatches(batch, k, data_axes, devices))
-    tokens = jnp.maximum(tm.num_tokens(batch), 1.0)
-    return value / tokens, jax.tree.map(lambda g: g / tokens, grads)
-
-  return step
-
-
 def _placed(mesh, cfg, params, batch):
   specs = tm.specs(cfg)
   return (jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
@@ -225,8 +190,8 @@ def _candidates(name, k, cfg, params, batch):
     out = out._replace(
         fallback=oa.sharding_report(typed, *placed).fallback_leaves)
     steps = {FULL: jax.jit(jax.value_and_grad(loss_fn)), TYPED: typed,
-             NAIVE: jax.jit(_naive_scan(loss_fn, k, cfg.batch_axes,
-                                        devices))}
+             NAIVE: jax.jit(peers.token_weighted_scan(
+                 loss_fn, k, cfg.batch_axes, devices))}
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", UserWarning)  # the fallback, reported
       for cand, f in steps.items():

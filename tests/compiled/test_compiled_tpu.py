@@ -7,6 +7,7 @@ then read (``memory_analysis()``, the HLO). The model is the cookbook-style
 decoder of ``zoo/typed_model.py`` at a small size.
 """
 
+import math
 import warnings
 
 import jax
@@ -19,7 +20,7 @@ import pytest
 import optax_accum as oa
 from optax_accum._src.tools import hlo
 from zoo import compile_only as co
-from zoo import fsdp_peer
+from zoo import peers
 from zoo import typed_model as tm
 
 pytestmark = pytest.mark.skipif(co.missing_tpu() is not None,
@@ -275,16 +276,56 @@ def test_fsdp_every_microbatch_sync_stays_in_the_loop_and_saves_memory(
   assert peaks["every_microbatch"] < peaks["once"], peaks
 
 
+_WITHIN = 1.01  # SPEC 11: the typed form's peak within 1% of the scan's.
+_WIDER = dict(vocab=4096, dim=256, ffn=1024)
+
+
+@pytest.mark.parametrize("layout,sizes,kwargs", [
+    pytest.param(DATA_TENSOR, _WIDER, {}, id="data x tensor"),
+    pytest.param(((8,), ("data",)), _WIDER, {}, id="data"),
+    pytest.param(
+        ((8,), ("data",)), dict(vocab=32768, dim=512, ffn=1024, layers=1),
+        {}, id="data, embedding-heavy", marks=pytest.mark.xfail(
+            strict=True, reason="issue 38, item 2: 444.6 against 384.1 MiB"
+            " (1.157x). The weighting where(keep, w * g, 0) sits between"
+            " XLA's scatter-add of the embedding gradient and the add into"
+            " the sum, so the scatter builds the gradient on its own; a"
+            " lax.cond or a loop of at most one trip around the micro-batch"
+            " peaked higher still.")),
+    pytest.param(
+        FSDP, _WIDER, {"gradient_sync": "every_microbatch"},
+        id="fsdp, every_microbatch", marks=pytest.mark.xfail(
+            strict=True, reason="issue 38, item 2: 39.6 against 39.0 MiB"
+            " (1.016x) against the scan that reduce-scatters every"
+            " micro-batch")),
+])
+def test_typed_form_peaks_within_one_percent_of_the_plain_scan(
+    layout, sizes, kwargs):
+  """SPEC 11 (issue 38, item 2): against the token-weighted lax.scan of
+  jax.grad a user would write (zoo/peers.py), compiled alike."""
+  shape, names = layout
+  mesh = co.mesh(co.tpu_devices(), shape, names)
+  cfg = _cfg(names, **sizes)
+  if names == ("data",):  # data parallel only: every weight replicated.
+    cfg = cfg._replace(fsdp=None)
+  args = _inputs(mesh, cfg)
+  devices = math.prod(mesh.shape[a] for a in cfg.batch_axes)
+  peaks = [_compile(mesh, fn, *args).memory_analysis().peak_memory_in_bytes
+           for fn in (_typed(cfg, **kwargs), peers.token_weighted_scan(
+               tm.loss_fn(cfg), K, cfg.batch_axes, devices))]
+  assert peaks[0] <= _WITHIN * peaks[1], peaks
+
+
 def test_fsdp_once_peaks_no_higher_than_its_hand_written_peer():
   """SPEC 11 (issue 38, item 2): "once" against its fair peer, the loop a
-  user would write to reduce once (zoo/fsdp_peer.py: parameters gathered
+  user would write to reduce once (zoo/peers.py: parameters gathered
   once, the whole gradient's sum held, reduce-scattered after the loop)."""
   mesh, cfg, args = _setup(FSDP, vocab=4096, dim=256, ffn=1024)
   peaks = {name: _compile(mesh, fn, *args).memory_analysis()
            .peak_memory_in_bytes for name, fn in (
                ("typed", _typed(cfg)),
-               ("peer", fsdp_peer.scan_whole_sum(cfg, mesh, K)))}
-  assert peaks["typed"] <= 1.01 * peaks["peer"], peaks
+               ("peer", peers.scan_whole_sum(cfg, mesh, K)))}
+  assert peaks["typed"] <= _WITHIN * peaks["peer"], peaks
 
 
 @pytest.mark.parametrize("inner", ["adamw", "muon"])
