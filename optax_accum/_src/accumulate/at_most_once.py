@@ -7,15 +7,19 @@ a conditional's pass-through branch may be a copy: XLA's GPU compiler copies
 a donated parameter that a ``lax.cond`` hands back untouched (with
 ``optax.adamw`` on 512 MiB of parameters, compiled for one H100, a donated
 ``update_and_apply`` micro-step peaked at 4096 MiB as a conditional and at
-2560 MiB, ``optax.MultiSteps``'s, as this loop). TPU and CPU programs are the
-same either way.
+2560 MiB, ``optax.MultiSteps``'s, as this loop). CPU programs are the same
+either way; on TPU the loop peaked higher at small sizes, so there the
+emitting step's inner choice stays a conditional (``Emitter.apply_if``).
 
-The loop is named :data:`SCOPE`, so that the readers of compiled programs
-(``oa.count_collectives``, ``oa.check_train_step``) count what runs in it as
-in a branch, not once per iteration of a loop.
+Differentiated, it is the conditional (a custom JVP): a loop of dynamic
+trip count has no reverse mode. The loop is named :data:`SCOPE`, so that the
+readers of compiled programs (``oa.count_collectives``,
+``oa.check_train_step``) count what runs in it as in a branch, not once per
+iteration of a loop.
 """
 
 from collections.abc import Callable
+import functools
 from typing import Any
 
 import jax
@@ -36,14 +40,36 @@ def run_if(pred: jax.Array, body: Callable[..., Any], init: Any,
   that nothing computed from them alone is loop-invariant. XLA hoists
   loop-invariant work (a reduction of the gradient sum over the devices
   included) out of a loop, where it would run on every call.
-  """
 
+  Differentiated (``jax.grad``, ``jax.jvp``), it is the ``lax.cond``: a
+  loop of dynamic trip count has no reverse mode, a conditional has both.
+  The values ``body`` closes over are made arguments
+  (``jax.closure_convert``), so that their derivatives are kept.
+  """
+  body, consts = jax.closure_convert(body, init, *operands)
+  return _run_if(body, pred, init, operands, consts)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _run_if(body, pred, init, operands, consts):
   def once(carry):
     go, x = carry
     # The barrier's copy of go is dropped: it may be typed varying over
     # more manual axes than pred (a barrier unifies them).
     _, reads = lax.optimization_barrier((go, operands))
-    return ~go, body(x, *reads)  # ~go: False, typed like pred.
+    return ~go, body(x, *reads, *consts)  # ~go: False, typed like pred.
 
   with jax.named_scope(SCOPE):
     return lax.while_loop(lambda carry: carry[0], once, (pred, init))[1]
+
+
+@_run_if.defjvp
+def _run_if_jvp(body, primals, tangents):
+  pred, *args = primals
+  _, *args_dot = tangents
+
+  def branched(init, operands, consts):
+    return lax.cond(pred, lambda x: body(x, *operands, *consts),
+                    lambda x: x, init)
+
+  return jax.jvp(branched, tuple(args), tuple(args_dot))

@@ -320,9 +320,8 @@ def update_and_apply(
   trip except on TPU (XLA's GPU compiler copies the parameters a
   conditional passes through; the loop's it updates in place):
   :func:`optax_accum.count_collectives` counts what runs in it as in a
-  branch. A loop is not reverse-differentiable: to differentiate through
-  an update (meta-learning), use ``tx.update`` and
-  :func:`optax_accum.apply_if_updated`. The result is
+  branch. Differentiated (meta-learning through an update), it is the
+  conditional, in both modes. The result is
   that of ``tx.update`` and :func:`optax_accum.apply_if_updated`, and a
   non-emitting call still runs no inner update. Any other ``tx`` (an
   ``optax.chain`` around ``accumulate``) takes that path: its updates leave

@@ -62,3 +62,33 @@ def test_a_reduction_in_it_is_counted_in_a_branch_and_stays_there():
       fn.lower(jnp.array([True]), total, x).compile())
   assert counts.total == counts.in_branch == {"all-reduce": 1}, counts
   assert counts.in_loop == {} and counts.outside == {}, counts
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_differentiated_as_the_conditional_in_both_modes(pred):
+  """Reverse mode, which a loop lacks, through what the body closes over
+  too (a scale) and what it reads."""
+  scale = 3.0
+
+  def run_if(x, y, s):
+    return at_most_once.run_if(
+        jnp.bool_(pred), lambda x, y: {"a": s * x["a"] * y, "b": x["b"]},
+        x, y)
+
+  def cond(x, y, s):
+    return jax.lax.cond(pred, lambda x: {"a": s * x["a"] * y, "b": x["b"]},
+                        lambda x: x, x)
+
+  x, y = {"a": jnp.arange(3.0), "b": jnp.ones(2)}, 2.0
+  for fn in (run_if, cond):
+    def loss(x, y, s, fn=fn):
+      out = fn(x, y, s)
+      return jnp.sum(out["a"] ** 2) + jnp.sum(out["b"])
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, y, scale)
+    if fn is run_if:
+      mine = got
+  jax.tree.map(np.testing.assert_allclose, mine, got)
+  tangents = ({"a": jnp.ones(3), "b": jnp.ones(2)}, 1.0, 1.0)
+  jax.tree.map(np.testing.assert_allclose,
+               jax.jvp(run_if, (x, y, scale), tangents),
+               jax.jvp(cond, (x, y, scale), tangents))

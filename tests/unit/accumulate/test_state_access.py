@@ -175,6 +175,33 @@ def test_update_and_apply_matches_update_then_apply_if_updated(inner):
   assert jax.tree.map(dtype, ours[0]) == jax.tree.map(dtype, params)
 
 
+@pytest.mark.parametrize("emits", [True, False])
+def test_update_and_apply_differentiates_as_the_split_path(emits):
+  """Reverse mode through an update (meta-learning: the derivative of the
+  new parameters in a learning rate and the gradients), which a loop of
+  dynamic trip count alone would refuse; the same as through tx.update +
+  oa.apply_if_updated, whether the call emits or not."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 6)}
+
+  def new_params(lr, scale, fused):
+    tx = oa.accumulate(optax.sgd(lr, momentum=0.9), every_k=1 if emits else 2,
+                       equal_weights=True)
+    state = tx.init(params)
+    grads = {"w": scale * jnp.cos(params["w"])}
+    if fused:
+      return oa.update_and_apply(tx, grads, state, params)[0]
+    updates, state = tx.update(grads, state, params)
+    return oa.apply_if_updated(params, updates, state)
+
+  def loss(lr, scale, fused):
+    return jnp.sum(new_params(lr, scale, fused)["w"] ** 2)
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+  ours, theirs = grad(0.1, 2.0, True), grad(0.1, 2.0, False)
+  np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+  assert (float(theirs[0]) != 0.0) == emits, theirs
+
+
 def test_update_and_apply_needs_the_params():
   tx = oa.accumulate(optax.sgd(1.0), every_k=2, equal_weights=True)
   params = {"w": jnp.ones(2)}
