@@ -90,38 +90,35 @@ class Emitter(NamedTuple):
       return self.params, inner_state
     return zeros_typed_like(self.like_updates), inner_state
 
-  def apply_if(self, updated, operands, inner_state):
-    """``run_inner`` where ``updated``, else the parameters as they are.
-
-    Written per compiler (``lax.platform_dependent``), as each updates the
-    parameters in place: XLA's TPU compiler in a conditional (as a loop of
-    at most one trip it peaked 19 MiB higher with adamw on 16 MiB of
-    parameters), the others in a loop of at most one trip (XLA's GPU
-    compiler copies a conditional's untouched parameters).
+  def choose(self, updated, operands, inner_state):
+    """``run_inner`` where ``updated``, else ``skip_inner``'s: a
+    conditional, but with ``apply`` on GPUs a loop of at most one trip
+    (``at_most_once.per_compiler``), in which XLA keeps the inner state and
+    the parameters in place.
     """
-    carry = (self.params, inner_state)
 
     def looped():
+      def body(carry, *reads):
+        return self.with_params(carry[0]).run_inner(*reads, carry[1])
+
       return at_most_once.run_if(
-          updated, lambda carry, *reads: self.with_params(
-              carry[0]).run_inner(*reads, carry[1]), carry, *operands)
+          updated, body, self.skip_inner(*operands, inner_state), *operands)
 
     def branched():
       return lax.cond(updated, self.run_inner, self.skip_inner, *operands,
                       inner_state)
 
-    return lax.platform_dependent(tpu=branched, default=looped)
+    if not self.apply:
+      return branched()
+    return at_most_once.per_compiler(branched, looped)
 
   def emit(self, cycle: Cycle, inner_state, stats) -> Emitted:
     """The emitting branch, on a cycle already reduced over the devices."""
     del stats  # replaced by this cycle's.
     updated = token_weighting.has_tokens(cycle.token_count)
-    operands = (cycle.grad_sum, cycle.token_count, cycle.value_sums)
-    if self.apply:  # the parameters, updated in place.
-      updates, inner_state = self.apply_if(updated, operands, inner_state)
-    else:
-      updates, inner_state = lax.cond(
-          updated, self.run_inner, self.skip_inner, *operands, inner_state)
+    updates, inner_state = self.choose(
+        updated, (cycle.grad_sum, cycle.token_count, cycle.value_sums),
+        inner_state)
     return Emitted(updates, inner_state, updated,
                    _stats_of(cycle, self.rules),
                    jnp.where(updated, cycle.token_count, 0.0))

@@ -302,6 +302,7 @@ def apply_if_updated(
   """
   _check_like_params(params, updates)
   updated = has_updated(state)
+
   return lax.cond(updated, optax.apply_updates, _keep, params, updates)
 
 
@@ -316,9 +317,9 @@ def update_and_apply(
   updates leave the conditional: with the parameters donated to the jitted
   train step, XLA needs no parameter-sized buffer of updates (``tx.update``
   with :func:`optax_accum.apply_if_updated` needs one, the conditional's
-  output; ``docs/performance.md``). The choice is a loop of at most one
-  trip except on TPU (XLA's GPU compiler copies the parameters a
-  conditional passes through; the loop's it updates in place):
+  output; ``docs/performance.md``). The choice to emit is a loop of at
+  most one trip (XLA's GPU compiler copies the parameters a conditional
+  passes through; a loop's carry it updates in place):
   :func:`optax_accum.count_collectives` counts what runs in it as in a
   branch. Differentiated (meta-learning through an update), it is the
   conditional, in both modes. The result is

@@ -176,7 +176,7 @@ class _Step(NamedTuple):
         return emitter.emit(layout.reduced(cycle, step.leaf_rules),
                             inner_state, stats)
 
-    if apply:  # the parameters in the loop's carry, updated in place.
+    if apply:  # the parameters in a loop's carry, updated in place.
       emitted = at_most_once.run_if(
           emit, lambda e, cycle: emit_branch(
               cycle, e.inner_state, e.stats, emitter.with_params(e.updates)),

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 import numpy as np
+import optax
 import pytest
 
 import optax_accum as oa
@@ -92,3 +93,36 @@ def test_differentiated_as_the_conditional_in_both_modes(pred):
   jax.tree.map(np.testing.assert_allclose,
                jax.jvp(run_if, (x, y, scale), tangents),
                jax.jvp(cond, (x, y, scale), tangents))
+
+
+def _trajectory(inner):
+  """Params and state of update_and_apply after cycles with uneven tokens,
+  an empty cycle and an early flush."""
+  tx = oa.accumulate(inner, every_k=3)
+  params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3),
+            "b": jnp.ones(3, jnp.bfloat16)}
+  step = jax.jit(lambda params, state, grads, n, emit: oa.update_and_apply(
+      tx, grads, state, params, num_tokens=n, emit=emit))
+  state = tx.init(params)
+  tokens = [2.0, 5.0, 1.0, 0.0, 0.0, 0.0, 3.0, 4.0]  # cycle 2: no tokens.
+  for i, n in enumerate(tokens):
+    grads = {"w": jax.random.normal(jax.random.key(i), (4, 3)),
+             "b": jnp.full(3, 0.5 * i, jnp.bfloat16)}
+    params, state = step(params, state, grads, n, i == len(tokens) - 1)
+  return params, state
+
+
+@pytest.mark.parametrize("inner", ["adam", "muon"])
+def test_the_gpu_programs_loop_gives_the_cpu_programs_result(
+    monkeypatch, inner):
+  """On GPUs update_and_apply runs the inner optimizer in a loop where TPU
+  and CPU programs use a conditional (at_most_once.per_compiler): forced
+  here on the CPU, the same trajectory, bit for bit."""
+  opt = optax.adam(0.1) if inner == "adam" else optax.contrib.muon(0.1)
+  branched = _trajectory(opt)
+  calls = []
+  monkeypatch.setattr(at_most_once, "per_compiler",
+                      lambda branched, looped: calls.append(1) or looped())
+  looped = _trajectory(opt)
+  assert calls  # the loop was taken.
+  jax.tree.map(np.testing.assert_array_equal, looped, branched)
