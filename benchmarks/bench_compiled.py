@@ -167,6 +167,20 @@ def _measure(compiled, mesh, data_axes, k, per_call):
           "kinds": sorted(kinds)}
 
 
+def _per_call_steps(loss_fn, k, data_axis, mesh, params, micro):
+  """The candidates of one micro-batch per call, as ``_mesh_run``'s steps."""
+  steps = {}
+  for cand, make in ((MULTISTEPS, lambda: _multisteps(loss_fn, k)),
+                     (ACCUMULATE, lambda: _accumulate(loss_fn, k)),
+                     (FUSED, lambda: _accumulate(loss_fn, k, fused=True)),
+                     (DEFERRED, lambda: _accumulate(loss_fn, k, data_axis))):
+    tx, micro_step = make()
+    with jax.set_mesh(mesh):
+      state = jax.eval_shape(tx.init, params)
+    steps[cand] = (mesh, micro_step, (params, state, micro), True)
+  return steps
+
+
 def _mesh_run(name, cfg_run, devices):
   shape, names, model_axes = MESHES[name]
   k, rows = cfg_run["k"], cfg_run["batch"]
@@ -197,15 +211,8 @@ def _mesh_run(name, cfg_run, devices):
       tm.loss_fn(cfg._replace(batch_axes=())), num_microbatches=k,
       num_tokens_fn=tm.num_tokens, axis_name=data_axes[0],
       param_specs=tm.specs(cfg)), (auto_params, auto_batch), False)
-  for cand, make in ((MULTISTEPS, lambda: _multisteps(loss_fn, k)),
-                     (ACCUMULATE, lambda: _accumulate(loss_fn, k)),
-                     (FUSED, lambda: _accumulate(loss_fn, k, fused=True)),
-                     (DEFERRED, lambda: _accumulate(loss_fn, k,
-                                                    data_axes[0]))):
-    tx, micro_step = make()
-    with jax.set_mesh(mesh):
-      state = jax.eval_shape(tx.init, params)
-    steps[cand] = (mesh, micro_step, (params, state, micro), True)
+  steps.update(_per_call_steps(loss_fn, k, data_axes[0], mesh, params,
+                               micro))
   out = {"mesh": dict(zip(names, shape)), "data_axes": list(data_axes),
          "param_bytes": harness.tree_bytes(shapes),
          "params": int(sum(x.size for x in jax.tree.leaves(shapes))),
