@@ -32,7 +32,6 @@ from jax.sharding import PartitionSpec as P
 import optax
 
 import harness
-import optax_accum as oa
 import report
 from zoo import compile_only as co
 
@@ -51,6 +50,8 @@ SPLIT, FUSED = "tx.update + oa.apply_if_updated", "oa.update_and_apply"
 MULTISTEPS, HAND, FLOOR = ("optax.MultiSteps", "hand-written lax.cond",
                            "floor: sum += g")
 CANDIDATES = (SPLIT, FUSED, MULTISTEPS, HAND, FLOOR)
+_EMIT_KIND = {SPLIT: "apply_if_updated", FUSED: "update_and_apply",
+              MULTISTEPS: "MultiSteps"}  # zoo/compile_only.emit_step's.
 
 
 def _inner(name):
@@ -88,23 +89,7 @@ def _candidate(name, inner, k):
   if name == FLOOR:
     return (lambda p: jax.tree.map(jnp.zeros_like, p),
             lambda p, s, g: (p, jax.tree.map(jnp.add, s, g)))
-  if name == MULTISTEPS:
-    tx = optax.MultiSteps(inner, every_k_schedule=k)
-
-    def multi_step(params, state, grads):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    return tx.init, multi_step
-  tx = oa.accumulate(inner, every_k=k, equal_weights=True)
-  if name == FUSED:
-    return tx.init, lambda p, s, g: oa.update_and_apply(tx, g, s, p)
-
-  def split(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return oa.apply_if_updated(params, updates, state), state
-
-  return tx.init, split
+  return co.emit_step(_EMIT_KIND[name], inner, k)
 
 
 def _compile(device, cfg, name, inner_name):

@@ -145,18 +145,12 @@ def zero_state(opt, params, mesh_, specs):
 EMIT_KINDS = ("update_and_apply", "apply_if_updated", "MultiSteps")
 
 
-def emit_peak(device, kind, inner, leaves=4, size=1024, k=4) -> int:
-  """The peak of one donated micro-step on ``device``, compiled.
-
-  ``kind`` is one of :data:`EMIT_KINDS`: ``oa.update_and_apply``,
-  ``tx.update`` + ``oa.apply_if_updated`` (both of ``oa.accumulate``), or
-  ``optax.MultiSteps`` + ``optax.apply_updates``; ``leaves`` float32
-  parameters of ``size`` x ``size``, the gradients passed in.
+def emit_step(kind, inner, k=4):
+  """``(init, step)`` of one micro-step, ``step(params, state, grads) ->
+  (params, state)``; ``kind`` is one of :data:`EMIT_KINDS`:
+  ``oa.update_and_apply``, ``tx.update`` + ``oa.apply_if_updated`` (both
+  of ``oa.accumulate``), or ``optax.MultiSteps`` + ``optax.apply_updates``.
   """
-  mesh_ = mesh([device], (1,), ("x",))
-  params = abstract(
-      {f"w{i}": jax.ShapeDtypeStruct((size, size), jnp.float32)
-       for i in range(leaves)}, mesh_, {f"w{i}": P() for i in range(leaves)})
   if kind == "MultiSteps":
     tx = optax.MultiSteps(inner, every_k_schedule=k)
   else:
@@ -170,8 +164,20 @@ def emit_peak(device, kind, inner, leaves=4, size=1024, k=4) -> int:
       return optax.apply_updates(params, updates), state
     return oa.apply_if_updated(params, updates, state), state
 
+  return tx.init, step
+
+
+def emit_peak(device, kind, inner, leaves=4, size=1024, k=4) -> int:
+  """The peak of one donated :func:`emit_step` on ``device``, compiled:
+  ``leaves`` float32 parameters of ``size`` x ``size``, the gradients
+  passed in."""
+  mesh_ = mesh([device], (1,), ("x",))
+  params = abstract(
+      {f"w{i}": jax.ShapeDtypeStruct((size, size), jnp.float32)
+       for i in range(leaves)}, mesh_, {f"w{i}": P() for i in range(leaves)})
+  init, step = emit_step(kind, inner, k)
   with jax.set_mesh(mesh_):
-    state = jax.eval_shape(tx.init, params)
+    state = jax.eval_shape(init, params)
   state = abstract(state, mesh_, jax.tree.map(lambda _: P(), state))
   with jax.set_mesh(mesh_):
     compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
