@@ -59,6 +59,8 @@ in one ``lax.scan``. The call reads as stages in order, data passing downward:
    |  local             Program.local(held, inputs, layout) -> Partials
    |                      loop.py            the scan over micro-batches
    |                        batching.py        split (contiguous, strided)
+   |                        borrowing.py       an empty micro-batch runs a
+   |                                           kept one's data, zero seed
    |                        loss_signature.py  how loss_fn is called
    |                        rng.py             a key per micro-batch
    |  reduce            layout.reduce(partials), the one reduction

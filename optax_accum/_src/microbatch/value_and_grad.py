@@ -132,6 +132,8 @@ def value_and_grad(
       with_stats=validation.check_bool("with_stats", with_stats),
       grad_reduction=grad_reduction_lib.check_grad_reduction(grad_reduction,
                                                              axis_name),
+      has_aux=has_aux,
+      has_state=has_state,
   )
   settings = runner.Settings(
       axis_name=validation.check_axis_name(axis_name),

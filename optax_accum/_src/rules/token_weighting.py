@@ -78,6 +78,11 @@ class MissingCount:
   def count(self) -> jax.Array:
     return jnp.ones([], jnp.float32)
 
+  def per_microbatch(self, microbatch: Any) -> jax.Array:
+    """The count of any micro-batch, after the warning."""
+    del microbatch
+    return self()
+
   def warn(self) -> None:
     if not self.warned:
       caller_warnings.warn(self.message(), UserWarning)
@@ -95,6 +100,12 @@ class MissingCount:
     )
 
 
+def counts_each(count: Any) -> bool:
+  """Whether ``count``, from :func:`count_fn`, reads each micro-batch (it
+  is no :class:`MissingCount`'s, whose counts are all one)."""
+  return not isinstance(getattr(count, "__self__", None), MissingCount)
+
+
 def count_fn(entry_point: str, num_tokens_fn: Any, equal_weights: bool):
   """``num_tokens_fn``, or for None one per micro-batch (see MissingCount)."""
   if num_tokens_fn is None:
@@ -104,7 +115,7 @@ def count_fn(entry_point: str, num_tokens_fn: Any, equal_weights: bool):
         " loss averaged over (e.g. lambda mb: mb['mask'].sum())",
         equal_weights,
     )
-    return lambda microbatch: missing()
+    return missing.per_microbatch
   if equal_weights:
     raise ValueError(
         f"{EQUAL_WEIGHTS}=True says every micro-batch weighs the same, but"
@@ -145,8 +156,14 @@ def contribution(
 
 
 def weighted(x: jax.Array, c: Contribution, dtype: Any) -> jax.Array:
-  """``weight * x`` in ``dtype``, or exact zeros if not kept (NaN-proof)."""
+  """``weight * x`` in ``dtype``, or exact zeros if not kept (NaN-proof).
+
+  ``keep`` may be the Python ``True`` (``x`` known finite and weighted):
+  then no select is written.
+  """
   term = c.weight.astype(dtype) * jnp.asarray(x).astype(dtype)
+  if c.keep is True:
+    return term
   return jnp.where(c.keep, term, jnp.zeros([], dtype))
 
 

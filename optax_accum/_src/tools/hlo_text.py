@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from optax_accum._src.accumulate import at_most_once
+from optax_accum._src.microbatch import borrowing
 
 COLLECTIVES = (
     "all-reduce",
@@ -70,6 +71,10 @@ _BRANCH_ATTRIBUTES = (
 # A while named at_most_once.SCOPE runs once or not at all: a branch.
 _AT_MOST_ONCE = re.compile(
     r'\bop_name="[^"]*' + re.escape(at_most_once.SCOPE) + r'/while"')
+# oa.value_and_grad's token counts, summed over the devices before its loop
+# (XLA makes the k of them one small all-reduce): read as scalars.
+_TOKEN_COUNTS = re.compile(
+    r'\bop_name="[^"]*' + re.escape(borrowing.SCOPE) + "/")
 
 
 def enclosure(opcode: str, rest: str, attribute: str) -> str | None:
@@ -270,6 +275,15 @@ def _elements(line: str) -> int:
   return sum(math.prod(d) for _, d in _result_shapes(line))
 
 
+def is_scalar_sum(rest: str, shapes: list[Any], computation: str,
+                  computations: dict[str, Any]) -> bool:
+  """Whether a collective sums scalars, not a gradient: its results are
+  scalars, or XLA's concatenation of them, or the loop's token counts."""
+  return (all(not d for _, d in shapes)
+          or bool(_TOKEN_COUNTS.search(rest))
+          or _concatenates_scalars(rest, computation, computations))
+
+
 def _concatenates_scalars(rest: str, computation: str,
                           computations: dict[str, Any]) -> bool:
   """Whether a collective's one operand is XLA's concatenation of scalars.
@@ -328,8 +342,7 @@ def parse_collectives(text: str, positions: Any = None,
         found.append(Collective(
             collective, looped, branched, axes,
             sum(_ITEMSIZE[t] * math.prod(d) for t, d in shapes),
-            all(not d for _, d in shapes)
-            or _concatenates_scalars(rest, name, computations)))
+            is_scalar_sum(rest, shapes, name, computations)))
       if opcode in _ASYNC_CONTINUATIONS:  # the same computation as its start.
         continue
       fused_scatter = line if is_reduce_scatter_fusion(line) else None

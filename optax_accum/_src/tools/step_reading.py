@@ -146,8 +146,8 @@ def reductions(instructions, computations, loop_names, emitting,
     if collective not in REDUCTIONS:
       continue
     shapes = hlo_text._result_shapes(inst.scatter or inst.line)
-    if all(not dims for _, dims in shapes) or hlo_text._concatenates_scalars(
-        inst.rest, inst.computation, computations):
+    if hlo_text.is_scalar_sum(inst.rest, shapes, inst.computation,
+                              computations):
       continue
     axes = elements = None
     if mesh is not None:
