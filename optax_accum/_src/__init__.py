@@ -35,7 +35,8 @@ says what retires it: ``grep -rn "Remove when"``.
 **microbatch/**: one call of :func:`optax_accum.value_and_grad` or
 :func:`optax_accum.coupled_value_and_grad`
 (:func:`optax_accum.plan_microbatches` compiles such calls), k micro-batches
-in one ``lax.scan``. The call reads as stages in order, data passing downward:
+in one loop (a ``lax.scan``; with ``borrowing``, a while loop of k trips).
+The call reads as stages in order, data passing downward:
 
 .. code-block:: text
 

@@ -7,7 +7,9 @@ reduced sums into the means (:func:`finish_loop`). The sums follow the
 token-weighting rule of ``token_weighting``; aux is stacked or reduced in the
 carry (``aux_reduction``); the noise-scale sums ride along with
 ``with_stats``. Where parameters are held and gradients summed is the
-call's :class:`layout.Layout`'s business: the loop only calls it.
+call's :class:`layout.Layout`'s business: the loop only calls it. Where
+:mod:`borrowing` applies, each gradient leaves the backward pass weighted
+and the loop is a while loop of k trips (none without tokens).
 """
 
 from collections.abc import Callable

@@ -37,8 +37,10 @@ def value_and_grad(
 ) -> Callable[..., Any]:
   r"""Like :func:`jax.value_and_grad`, over a batch split into micro-batches.
 
-  A :func:`jax.lax.scan` computes one micro-batch's loss and gradient at a
-  time (one micro-batch's activations alive at once). With ``n_i =
+  One loop (a :func:`jax.lax.scan`, or a while loop of k trips where an
+  empty micro-batch borrows another's data: docs/semantics.md) computes one
+  micro-batch's loss and gradient at a time (one micro-batch's activations
+  alive at once). With ``n_i =
   num_tokens_fn(microbatch_i)`` and ``loss_fn`` a mean ``L_i`` over those
   tokens, the result is the full batch's token-weighted mean, exactly (to
   float rounding), however unevenly the tokens fall:
