@@ -57,6 +57,21 @@ def sharding_type_error() -> type[Exception]:
   return core.ShardingTypeError
 
 
+def while_loop_keeps_unreduced_sums() -> bool:
+  """Workaround: whether a ``lax.while_loop`` of dynamic trip count may
+  carry the typed loop's sums.
+
+  Under jax 0.9.1, ``oa.value_and_grad`` with FSDP over one of two data
+  axes and ``gradient_sync="every_microbatch"`` (each shard's sum still
+  unreduced over the other axis) came out wrong from such a loop and
+  exact from a ``lax.scan``; jax 0.10.2 is exact from both (checked by
+  ``tests/forms/test_fsdp.py`` in both CI environments). Versions between
+  were not tried. Remove when jax >= 0.10.2 is the minimum.
+  """
+  return tuple(int(p) for p in jax.__version__.split(".")[:3]
+               if p.isdigit()) >= (0, 10, 2)
+
+
 def full(shape: tuple[int, ...], value: Any, dtype: Any,
          spec: P | None) -> jax.Array:
   """Workaround: ``jnp.full(shape, value, dtype, out_sharding=spec)``.

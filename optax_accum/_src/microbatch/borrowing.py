@@ -25,6 +25,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from optax_accum._src.mesh import compat
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import token_weighting
 
@@ -66,8 +67,7 @@ def applies(*, has_state: bool, aux_reductions: list[str] | None,
             params: Any) -> bool:
   """Whether no output but the weighted gradient and loss is read per
   micro-batch, and the gradient's dtypes hold a weighted gradient."""
-  import os
-  if os.environ.get("NOBORROW") or has_state or with_stats:
+  if has_state or with_stats or not compat.while_loop_keeps_unreduced_sums():
     return False
   if has_aux and (aux_reductions is None
                   or any(r != "mean" for r in aux_reductions)):
