@@ -14,9 +14,11 @@ cotangent seed (zero for a borrowing one): the gradient comes out weighted,
 finite, and exactly zero where it must be, and is added as it is. Its loss,
 tokens and weight stay its own. This is the hand-written scan's program.
 
-It applies where nothing else reads a micro-batch's own outputs: no model
-state, no aux but token-weighted means, no noise-scale statistics, every leaf
-a ``"mean"``. Elsewhere the loop keeps the select.
+It applies (:func:`applies`) where nothing else reads a micro-batch's own
+outputs: no model state, no aux but token-weighted means, no noise-scale
+statistics, every leaf a ``"mean"``, no float16 gradient, from jax 0.10.2;
+and (``loop._borrowing``) for k > 1 where the loop sees the global batch.
+Elsewhere the loop keeps the select.
 """
 
 from typing import Any, NamedTuple
