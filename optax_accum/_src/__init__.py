@@ -62,6 +62,8 @@ The call reads as stages in order, data passing downward:
    |                        batching.py        split (contiguous, strided)
    |                        borrowing.py       an empty micro-batch runs a
    |                                           kept one's data, zero seed
+   |                        empty_safe.py      elsewhere, its derivative a
+   |                                           cond: no NaN under jax.grad
    |                        loss_signature.py  how loss_fn is called
    |                        rng.py             a key per micro-batch
    |  reduce            layout.reduce(partials), the one reduction

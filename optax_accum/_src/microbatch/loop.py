@@ -26,6 +26,7 @@ from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import batching
 from optax_accum._src.microbatch import borrowing
+from optax_accum._src.microbatch import empty_safe
 from optax_accum._src.microbatch import layout
 from optax_accum._src.microbatch import loss_signature
 from optax_accum._src.microbatch import rng as rng_lib
@@ -149,10 +150,10 @@ def _differentiate(loss, opts, borrow, inputs, lay, params, model_state,
   rng = _rng_for(inputs, index, lay)
   if borrow is None:
     microbatch = batching.take(batch_split, index)
-    (value, rest), grads = jax.value_and_grad(loss, has_aux=True)(
-        params, model_state, microbatch, inputs, rng)
     c = token_weighting.contribution(
         _token_count(opts.num_tokens_fn, microbatch), opts.loss_reduction)
+    (value, rest), grads = empty_safe.value_and_grad(
+        loss, c.keep, params, model_state, microbatch, inputs, rng)
     return _Differentiated(value, rest, grads, c, c, microbatch)
   microbatch = batching.take(batch_split, borrow.source_of(index))
   value, vjp_fn, rest = jax.vjp(

@@ -16,8 +16,9 @@ import optax_accum as oa
 from optax_accum._src.mesh import compat
 from optax_accum._src.microbatch import borrowing
 from optax_accum._src.rules import token_weighting
+import ragged
 
-SEQ, DIM, VOCAB = 5, 4, 11
+DIM, VOCAB = ragged.DIM, ragged.VOCAB
 # Borrowing is off before jax 0.10.2 (compat.while_loop_keeps_unreduced_sums):
 # the tests of its program skip there; those of exactness run either way.
 borrows = pytest.mark.skipif(
@@ -25,29 +26,8 @@ borrows = pytest.mark.skipif(
     reason="borrowing needs jax >= 0.10.2")
 
 
-def _batch(lengths, seed=0):
-  rng = np.random.default_rng(seed)
-  rows = len(lengths)
-  return {
-      "ids": jnp.asarray(rng.integers(0, VOCAB, (rows, SEQ)), jnp.int32),
-      "y": jnp.asarray(rng.normal(size=(rows, SEQ)), jnp.float32),
-      "mask": jnp.asarray(np.arange(SEQ)[None] < np.asarray(lengths)[:, None],
-                          jnp.float32),
-  }
-
-
-def _params():
-  return {"embed": jnp.linspace(-1.0, 1.0, VOCAB * DIM).reshape(VOCAB, DIM),
-          "w": jnp.linspace(0.5, -0.5, DIM)}
-
-
-def _token_losses(params, batch):
-  h = jnp.tanh(params["embed"][batch["ids"]] @ params["w"])  # a gather.
-  return batch["mask"] * (h - batch["y"]) ** 2
-
-
-def mean_loss(params, batch):  # 0/0 without tokens, on purpose.
-  return _token_losses(params, batch).sum() / helpers.num_tokens(batch)
+_batch, _params, mean_loss = ragged.batch, ragged.params, ragged.mean_loss
+_token_losses = ragged.token_losses
 
 
 def _expected(params, batch):
@@ -194,12 +174,12 @@ def test_the_loop_adds_the_gradient_without_a_select():
   assert _gradient_sized_selects(with_aux, _params(), batch)
 
 
-@borrows  # the select's path differentiates 0/0 into NaN (issue 38 note)
 @pytest.mark.parametrize("lengths", [[0, 0, 3, 5, 1, 0, 2, 4], [0] * 8])
 def test_the_loop_differentiates_like_the_full_batch(lengths):
   """The loop runs no micro-batch when none has tokens (a while loop);
   differentiated, it is a conditional around a scan: jax.grad of the loss
-  is the full batch's gradient, and of a zero-token batch zero, not NaN."""
+  is the full batch's gradient, and of a zero-token batch zero, not NaN.
+  Before jax 0.10.2 it is the select's loop (empty_safe's derivative)."""
   fn = oa.value_and_grad(mean_loss, num_microbatches=4,
                          num_tokens_fn=helpers.num_tokens)
   batch = _batch(lengths)
