@@ -1,6 +1,6 @@
 """optax_accum's private modules. Read this code map first.
 
-Five folders, one per family, and two modules that every family uses.
+Five folders, one per family, and three modules that the families share.
 Imports run downward only, in this order (``tests/unit/test_layers.py``
 fails on a cycle or an import that runs back up):
 
@@ -13,6 +13,8 @@ fails on a cycle or an import that runs back up):
   mesh/                       reading and moving shardings
   validation.py               argument checks, and every warning at the
   caller_warnings.py          caller's line
+  conditional_loops.py        conditionals written as while loops (run_if,
+                              trips_if), differentiated as lax.cond
 
 **rules/**: the arithmetic both entry points share, with no sharding
 inside. ``token_weighting`` (the one weighting rule, ``num_tokens`` missing),
@@ -101,7 +103,7 @@ per call:
    |  emit or skip      lax.cond: layout.reduced (the one reduction per
    |                    update), then emitting.Emitter (inner on the mean,
    |                    with window_args.for_inner's value and grad); with
-   |                    update_and_apply, at_most_once.run_if (a loop of
+   |                    update_and_apply, conditional_loops.run_if (a loop of
    |                    at most one trip: parameters updated in place)
   state.py              AccumulateState, its start and next value; a field
                         it lacks is read from the inner state

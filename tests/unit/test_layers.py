@@ -19,6 +19,7 @@ SRC = pathlib.Path(optax_accum.__file__).parent / "_src"
 # Each room's floor: a module may import its own room or a lower floor.
 FLOORS = {
     "caller_warnings": 0,
+    "conditional_loops": 0,
     "validation": 0,
     "mesh": 1,
     "rules": 2,

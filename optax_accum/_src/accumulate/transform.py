@@ -8,8 +8,8 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
+from optax_accum._src import conditional_loops
 from optax_accum._src import validation
-from optax_accum._src.accumulate import at_most_once
 from optax_accum._src.accumulate import emitting
 from optax_accum._src.accumulate import manual_sums
 from optax_accum._src.accumulate import microstep
@@ -177,7 +177,7 @@ class _Step(NamedTuple):
                             inner_state, stats)
 
     if apply:  # the parameters in a loop's carry, updated in place.
-      emitted = at_most_once.run_if(
+      emitted = conditional_loops.run_if(
           emit, lambda e, cycle: emit_branch(
               cycle, e.inner_state, e.stats, emitter.with_params(e.updates)),
           emitter.skip(step.cycle, state.inner_state, state.stats),

@@ -13,7 +13,6 @@ and the loop is a while loop of k trips (none without tokens).
 """
 
 from collections.abc import Callable
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -21,6 +20,7 @@ from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import conditional_loops
 from optax_accum._src import validation
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import readers
@@ -150,10 +150,18 @@ def _differentiate(loss, opts, borrow, inputs, lay, params, model_state,
   rng = _rng_for(inputs, index, lay)
   if borrow is None:
     microbatch = batching.take(batch_split, index)
-    c = token_weighting.contribution(
+    args = (model_state, microbatch, inputs, rng)
+    contribution = lambda: token_weighting.contribution(
         _token_count(opts.num_tokens_fn, microbatch), opts.loss_reduction)
-    (value, rest), grads = empty_safe.value_and_grad(
-        loss, c.keep, params, model_state, microbatch, inputs, rng)
+    if token_weighting.counts_each(opts.num_tokens_fn):
+      c = contribution()  # an empty micro-batch is dropped, derivative too.
+      (value, rest), grads = empty_safe.value_and_grad(loss, c.keep, params,
+                                                       *args)
+    else:  # each counts one: none is dropped. The loss is checked first,
+      # before the first count warns that there are none.
+      (value, rest), grads = jax.value_and_grad(loss, has_aux=True)(
+          params, *args)
+      c = contribution()
     return _Differentiated(value, rest, grads, c, c, microbatch)
   microbatch = batching.take(batch_split, borrow.source_of(index))
   value, vjp_fn, rest = jax.vjp(
@@ -224,53 +232,13 @@ def _run_borrowing(step, init, any_kept, num_microbatches, num_real):
     return carry
 
   if num_real is None:
-    body, consts = jax.closure_convert(body, init, jnp.int32(0))
-    carry = _every_microbatch_or_none(body, num_microbatches, any_kept, init,
-                                      consts)
+    carry = conditional_loops.trips_if(any_kept, body, num_microbatches,
+                                       init)
   else:  # a traced count: no reverse mode, as _run_microbatches's.
-    carry = _trips(body, jnp.where(any_kept, 0, num_real), num_real, init)
+    carry = conditional_loops.trips(
+        body, jnp.where(any_kept, 0, num_real), num_real, init)
   dtype, stacked = seen[-1]
   return carry, (jax.ShapeDtypeStruct((num_microbatches,), dtype), stacked)
-
-
-def _trips(body, start, stop, init, *consts):
-  """``body(carry, index, *consts)`` for ``index`` in ``[start, stop)``: a
-  ``lax.while_loop`` on ``index < stop``. With ``stop`` the constant k, its
-  condition says how many times it runs at most (``oa.check_train_step``
-  reads it there)."""
-  def trip(state):
-    index, carry = state
-    return index + 1, body(carry, index, *consts)
-
-  return lax.while_loop(lambda state: state[0] < stop, trip,
-                        (jnp.asarray(start, jnp.int32), init))[1]
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _every_microbatch_or_none(body, num_microbatches, any_kept, init,
-                              consts):
-  """All ``num_microbatches`` trips of ``body``, or none.
-
-  Differentiated, it is a ``lax.cond`` around a ``lax.scan``: a loop of
-  dynamic trip count has no reverse mode. The program itself is the loop
-  (around the scan, XLA's TPU compiler peaked 3% higher at 1B).
-  """
-  return _trips(body, jnp.where(any_kept, 0, num_microbatches),
-                num_microbatches, init, *consts)
-
-
-@_every_microbatch_or_none.defjvp
-def _every_microbatch_or_none_jvp(body, num_microbatches, primals, tangents):
-  any_kept, *args = primals
-  _, *args_dot = tangents
-
-  def branched(init, consts):
-    def scanned(carry):
-      return lax.scan(lambda c, i: (body(c, i, *consts), None), carry,
-                      jnp.arange(num_microbatches))[0]
-    return lax.cond(any_kept, scanned, lambda carry: carry, init)
-
-  return jax.jvp(branched, tuple(args), tuple(args_dot))
 
 
 def _run_microbatches(step, init, num_microbatches, num_real):

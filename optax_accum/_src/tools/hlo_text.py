@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from optax_accum._src.accumulate import at_most_once
+from optax_accum._src import conditional_loops
 from optax_accum._src.microbatch import borrowing
 
 COLLECTIVES = (
@@ -68,9 +68,9 @@ _BRANCH_ATTRIBUTES = (
     "true_computation",
     "false_computation",
 )
-# A while named at_most_once.SCOPE runs once or not at all: a branch.
+# A while named conditional_loops.SCOPE runs once or not at all: a branch.
 _AT_MOST_ONCE = re.compile(
-    r'\bop_name="[^"]*' + re.escape(at_most_once.SCOPE) + r'/while"')
+    r'\bop_name="[^"]*' + re.escape(conditional_loops.SCOPE) + r'/while"')
 # oa.value_and_grad's token counts, summed over the devices before its loop
 # (XLA makes the k of them one small all-reduce): read as scalars.
 _TOKEN_COUNTS = re.compile(
@@ -80,7 +80,7 @@ _TOKEN_COUNTS = re.compile(
 def enclosure(opcode: str, rest: str, attribute: str) -> str | None:
   """What calling a computation by ``attribute`` puts it in: "loop",
   "branch" (a conditional's branch, or the body of a loop run at most once,
-  ``at_most_once.run_if``'s) or None."""
+  ``conditional_loops.run_if``'s) or None."""
   if attribute in _BRANCH_ATTRIBUTES:
     return "branch"
   if attribute in _LOOP_ATTRIBUTES:
@@ -91,7 +91,7 @@ def enclosure(opcode: str, rest: str, attribute: str) -> str | None:
 
 def runs_at_most_once(rest: str) -> bool:
   """Whether a while instruction (its text from the opcode on) is
-  ``at_most_once.run_if``'s."""
+  ``conditional_loops.run_if``'s."""
   return _AT_MOST_ONCE.search(rest) is not None
 
 # The parts of a result's shape (dtype[dims]), and the bytes of each dtype.

@@ -1,9 +1,10 @@
-"""``at_most_once.run_if``: a lax.cond written as a loop of at most one trip.
+"""conditional_loops: conditionals written as while loops.
 
-What it computes (the body where the predicate holds, the carry as it was
-otherwise, under jit, vmap and shard_map), and how the readers of compiled
-programs place what runs in it: in a branch, not in a loop, and not moved out
-of it by XLA's loop-invariant code motion.
+``run_if``, a lax.cond as a loop of at most one trip: what it computes (the
+body where the predicate holds, the carry as it was otherwise, under jit,
+vmap and shard_map), and how the readers of compiled programs place what
+runs in it: in a branch, not in a loop, and not moved out of it by XLA's
+loop-invariant code motion. ``trips_if``: n trips or none, as one loop.
 """
 
 import jax
@@ -15,7 +16,8 @@ import optax
 import pytest
 
 import optax_accum as oa
-from optax_accum._src.accumulate import at_most_once
+from optax_accum._src import conditional_loops
+from optax_accum._src.accumulate import emitting
 
 
 def _double_plus(x, y):
@@ -25,7 +27,7 @@ def _double_plus(x, y):
 @pytest.mark.parametrize("pred", [True, False])
 def test_runs_the_body_once_where_the_predicate_holds(pred):
   x = {"a": jnp.arange(3.0), "b": jnp.ones(2)}
-  got = jax.jit(lambda p, x: at_most_once.run_if(p, _double_plus, x, 1.5))(
+  got = jax.jit(lambda p, x: conditional_loops.run_if(p, _double_plus, x, 1.5))(
       jnp.bool_(pred), x)
   want = _double_plus(x, 1.5) if pred else x
   jax.tree.map(np.testing.assert_array_equal, got, want)
@@ -34,8 +36,8 @@ def test_runs_the_body_once_where_the_predicate_holds(pred):
 def test_each_batch_element_by_its_own_predicate_under_vmap():
   preds = jnp.array([True, False, True])
   xs = {"a": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones((3, 2))}
-  got = jax.vmap(lambda p, x: at_most_once.run_if(p, _double_plus, x, 1.0))(
-      preds, xs)
+  got = jax.vmap(lambda p, x: conditional_loops.run_if(
+      p, _double_plus, x, 1.0))(preds, xs)
   for i, pred in enumerate(preds):
     x = jax.tree.map(lambda v, i=i: v[i], xs)
     want = _double_plus(x, 1.0) if pred else x
@@ -51,7 +53,7 @@ def test_a_reduction_in_it_is_counted_in_a_branch_and_stays_there():
   def step(pred, total, x):
     def body(total, x):
       return total + jax.lax.psum(x, "data")[0]
-    return at_most_once.run_if(pred[0], body, total, x)
+    return conditional_loops.run_if(pred[0], body, total, x)
 
   fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")),
                              out_specs=P()))
@@ -72,7 +74,7 @@ def test_differentiated_as_the_conditional_in_both_modes(pred):
   scale = 3.0
 
   def run_if(x, y, s):
-    return at_most_once.run_if(
+    return conditional_loops.run_if(
         jnp.bool_(pred), lambda x, y: {"a": s * x["a"] * y, "b": x["b"]},
         x, y)
 
@@ -116,13 +118,55 @@ def _trajectory(inner):
 def test_the_gpu_programs_loop_gives_the_cpu_programs_result(
     monkeypatch, inner):
   """On GPUs update_and_apply runs the inner optimizer in a loop where TPU
-  and CPU programs use a conditional (at_most_once.per_compiler): forced
+  and CPU programs use a conditional (emitting.per_compiler): forced
   here on the CPU, the same trajectory, bit for bit."""
   opt = optax.adam(0.1) if inner == "adam" else optax.contrib.muon(0.1)
   branched = _trajectory(opt)
   calls = []
-  monkeypatch.setattr(at_most_once, "per_compiler",
+  monkeypatch.setattr(emitting, "per_compiler",
                       lambda branched, looped: calls.append(1) or looped())
   looped = _trajectory(opt)
   assert calls  # the loop was taken.
   jax.tree.map(np.testing.assert_array_equal, looped, branched)
+
+
+def _trips_or_none(pred, x, w, n=3):
+  return conditional_loops.trips_if(
+      pred, lambda c, i: c * w + jnp.sin(c) * i, n, x)
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_trips_if_runs_every_trip_or_none(pred):
+  """``trips_if``: the n trips of a scan where pred holds, else the carry;
+  one while loop, whose trips are counted from where(pred, 0, n)."""
+  x, w = jnp.arange(3.0), jnp.float32(0.7)
+
+  def scanned(x):
+    return jax.lax.scan(lambda c, i: (c * w + jnp.sin(c) * i, None), x,
+                        jnp.arange(3))[0]
+
+  got = jax.jit(_trips_or_none)(jnp.bool_(pred), x, w)
+  np.testing.assert_allclose(got, scanned(x) if pred else x, rtol=1e-6)
+  jaxpr = str(jax.make_jaxpr(_trips_or_none)(jnp.bool_(pred), x, w))
+  assert "while" in jaxpr and "cond[" not in jaxpr
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_trips_if_differentiates_as_a_cond_around_a_scan(pred):
+  """Reverse mode (a loop of dynamic trip count has none): the gradients,
+  with respect to the carry and to what the body closes over, are the
+  scan's where pred holds and the identity's where it does not."""
+  x, w = jnp.arange(3.0), jnp.float32(0.7)
+
+  def reference(x, w):
+    if not pred:
+      return jnp.sum(x ** 2)
+    out = jax.lax.scan(lambda c, i: (c * w + jnp.sin(c) * i, None), x,
+                       jnp.arange(3))[0]
+    return jnp.sum(out ** 2)
+
+  got = jax.grad(lambda x, w: jnp.sum(_trips_or_none(
+      jnp.bool_(pred), x, w) ** 2), argnums=(0, 1))(x, w)
+  expected = jax.grad(reference, argnums=(0, 1))(x, w)
+  for a, b in zip(got, expected):
+    np.testing.assert_allclose(a, b, rtol=1e-5)
