@@ -111,9 +111,7 @@ def loss_on_reps(loss_fn, has_aux, params, reps, batch, args) -> LossOnReps:
                          f" has_aux=True, got {type(out).__name__}.")
     else:
       out = (out, None)
-    if jnp.ndim(out[0]) != 0:
-      raise ValueError("loss_fn must return a scalar loss, got shape"
-                       f" {jnp.shape(out[0])}.")
+    loss_signature.scalar(out[0])
     return out
 
   (loss, aux), (direct, cotangents) = jax.value_and_grad(

@@ -81,6 +81,13 @@ def check_params(params: Any) -> None:
           f" ({shown(leaf)}), not an array: every leaf of params, fn's"
           " first argument, is differentiated. " + EQUINOX + " " +
           SIGNATURE + ".")
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+      raise TypeError(
+          f"params{jax.tree_util.keystr(path)} has dtype"
+          f" {jnp.result_type(leaf)}: every leaf of params, fn's first"
+          " argument, is differentiated, and an integer or boolean has no"
+          " gradient. Pass it outside params (in the batch, as an extra"
+          " argument, or as model state with has_state=True).")
 
 
 def _leading_sizes(tree: Any) -> set[int]:
@@ -153,8 +160,8 @@ def _describe(x: Any) -> str:
   return type(x).__name__
 
 
-def _scalar(loss: Any) -> Any:
-  """``loss``, or a clear error if it is not a scalar."""
+def scalar(loss: Any) -> Any:
+  """``loss``, or a clear error if it is not a real floating scalar."""
   if not (hasattr(loss, "shape") or isinstance(loss, numbers.Number)):
     raise TypeError(
         "loss_fn must return a scalar loss (a mean or sum over its"
@@ -165,6 +172,12 @@ def _scalar(loss: Any) -> Any:
         "loss_fn must return a scalar loss (a mean or sum over its"
         f" micro-batch), got shape {jnp.shape(loss)}."
     )
+  if not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+    raise TypeError(
+        "loss_fn must return a real floating-point loss, got dtype"
+        f" {jnp.result_type(loss)}: it is differentiated (an integer or"
+        " boolean loss, such as a count of correct answers, has no"
+        " gradient).")
   return loss
 
 
@@ -177,7 +190,7 @@ def _unpaired(out: Any) -> Any:
         " oa.value_and_grad if loss_fn returns (loss, aux) (or"
         " has_state=True if it returns (loss, new_model_state))."
     )
-  return _scalar(out)
+  return scalar(out)
 
 
 def normalize(loss_fn, has_aux, has_state):
@@ -210,7 +223,7 @@ def normalize(loss_fn, has_aux, has_state):
           f" has_state=True, got {_describe(out)}."
       )
     loss, rest = out
-    loss = _scalar(loss)
+    loss = scalar(loss)
     if not has_state:
       return loss, (None, rest)
     if not has_aux:

@@ -69,6 +69,35 @@ def test_loss_returning_a_dict_names_the_scalar_loss():
     fn(jnp.ones(2), _batch())
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_an_integer_loss_is_named_not_differentiated_to_zeros(k):
+  """An integer loss (a count of correct answers) has no gradient: named,
+  where jax.vjp (each micro-batch seeded with its count) gave zeros."""
+  fn = oa.value_and_grad(
+      lambda w, mb: jnp.sum(mb["x"] @ w > 0).astype(jnp.int32),
+      num_microbatches=k, num_tokens_fn=lambda mb: jnp.float32(2))
+  with pytest.raises(TypeError, match=r"real floating-point loss, got dtype"
+                     r" int32"):
+    jax.jit(fn)(jnp.ones(2), _batch())
+
+
+def test_an_integer_parameter_is_named_by_its_path():
+  fn = _fn(lambda p, mb: _mse(p["w"], mb))
+  with pytest.raises(TypeError, match=r"params\['step'\] has dtype int32.*"
+                     r"no gradient"):
+    fn({"w": jnp.ones(2), "step": jnp.int32(3)}, _batch())
+
+
+def test_coupled_value_and_grad_names_an_integer_loss():
+  def encode(p, mb):
+    return {"a": mb["x"] @ p}
+
+  fn = oa.coupled_value_and_grad(
+      encode, lambda p, reps, mb: jnp.int32(1), num_microbatches=K)
+  with pytest.raises(TypeError, match=r"real floating-point loss"):
+    fn(jnp.ones(2), _batch())
+
+
 # --------------------------------------------------------------------------
 # rng
 
