@@ -13,8 +13,9 @@ trap).
 program as it runs. Differentiated, it is the same computation of a loss
 whose own derivative is a ``lax.cond`` on ``keep``: an empty micro-batch's
 loss and aux have a zero derivative (its model state keeps its own), and no
-zero meets an infinity. A conditional transposes only the branch it takes;
-under ``jax.vmap`` both branches run and the trap is back.
+zero meets an infinity. A conditional transposes only the branch it takes
+(batched by ``jax.vmap``, it selects between the branches' results: the
+NaN of the one not taken is dropped, not multiplied by zero).
 """
 
 from collections.abc import Callable
@@ -36,8 +37,22 @@ def value_and_grad(loss: Callable[..., Any], keep: jax.Array, params: Any,
   derivative (the loop drops them), so that an empty micro-batch's 0/0 adds
   no NaN to the derivative of what the loop returns.
   """
-  fn, consts = jax.closure_convert(loss, params, *args)
-  return _value_and_grad(fn, keep, params, args, consts)
+  leaves, treedef = jax.tree.flatten(args)
+  arrays = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+  def with_arrays(params, values):  # other leaves (a function) stay static.
+    full = list(leaves)
+    for i, x in zip(arrays, values):
+      full[i] = x
+    return loss(params, *treedef.unflatten(full))
+
+  values = [leaves[i] for i in arrays]
+  fn, consts = jax.closure_convert(with_arrays, params, values)
+  return _value_and_grad(fn, keep, params, (values,), consts)
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))

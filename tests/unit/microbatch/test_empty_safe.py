@@ -166,3 +166,33 @@ def test_an_integer_aux_and_the_model_state_keep_their_derivatives():
     got = jax.grad(state_of)(ragged.params(), jnp.bool_(keep))
     np.testing.assert_allclose(got["w"], 2.0 * np.ones(DIM))
     np.testing.assert_array_equal(got["embed"], 0.0)
+
+
+def test_a_function_among_the_arguments_stays_a_python_value():
+  """Extra arguments that are not arrays (an activation, a graphdef) reach
+  loss_fn as they were given, under jax.grad too."""
+  def loss(params, batch, act):
+    h = act(params["embed"][batch["ids"]] @ params["w"])
+    return ((batch["mask"] * (h - batch["y"]) ** 2).sum()
+            / helpers.num_tokens(batch)), h.sum()
+
+  fn = oa.value_and_grad(loss, num_microbatches=4, has_aux=True,
+                         num_tokens_fn=helpers.num_tokens)
+  batch = ragged.batch(LENGTHS)
+  got = jax.jit(jax.grad(lambda p: fn(p, batch, jnp.tanh)[0][0]))(
+      ragged.params())
+  expected = jax.grad(mean_loss)(ragged.params(), batch)
+  helpers.assert_trees_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_vmapped_over_batches_the_derivative_stays_finite():
+  """Batched, the cond is a select of its branches' results: the empty
+  micro-batch's NaN branch is dropped, not multiplied by zero."""
+  loss = _loss_of("stacked aux", 4)
+  batches = [ragged.batch(LENGTHS), ragged.batch([1, 2, 3, 5, 1, 4, 2, 4])]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
+  got = jax.vmap(jax.grad(loss), in_axes=(None, 0))(ragged.params(), stacked)
+  for i, batch in enumerate(batches):
+    helpers.assert_trees_close(
+        jax.tree.map(lambda g, i=i: g[i], got),
+        jax.grad(mean_loss)(ragged.params(), batch), rtol=1e-5, atol=1e-7)
