@@ -55,7 +55,9 @@ class Plan(NamedTuple):
 
   counts: jax.Array | None  # (k,) float32: each micro-batch's own count.
   source: jax.Array | None  # (k,) int32: the micro-batch whose data it runs.
-  any_kept: jax.Array | bool  # whether any micro-batch has tokens.
+  # Whether the loop runs: a micro-batch has tokens, or a count is bad (NaN,
+  # negative), which must reach the sums and make the result NaN.
+  runs: jax.Array | bool
 
   def source_of(self, index: jax.Array) -> jax.Array:
     return index if self.source is None else self.source[index]
@@ -84,17 +86,20 @@ def plan(count: Any, take: Any, num_microbatches: int,
          num_real: jax.Array | None, loss_reduction: str) -> Plan:
   """Counts every micro-batch (``count(take(i))``) before the loop.
 
-  If none is kept, the loop runs no micro-batch: a zero seed on data
-  without tokens may meet 0/0.
+  If every count is zero, the loop runs no micro-batch: a zero seed on data
+  without tokens may meet 0/0. A bad count runs it (and borrows micro-batch
+  0's data if none is kept): the count reaches the sums, the result NaN.
   """
   indices = jnp.arange(num_microbatches)
   with jax.named_scope(SCOPE):
     counts = lax.map(lambda i: count(take(i)), indices)
   kept = token_weighting.contribution(counts, loss_reduction).keep
+  bad = token_weighting.is_bad_count(counts)
   if num_real is not None:
-    kept = kept & (indices < num_real)
+    real = indices < num_real
+    kept, bad = kept & real, bad & real
   first = jnp.argmax(kept).astype(indices.dtype)
-  return Plan(counts, jnp.where(kept, indices, first), jnp.any(kept))
+  return Plan(counts, jnp.where(kept, indices, first), jnp.any(kept | bad))
 
 
 def seed(c: token_weighting.Contribution) -> jax.Array:

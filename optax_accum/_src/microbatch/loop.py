@@ -214,9 +214,10 @@ def check_num_real(num_real: Any, num_microbatches: int) -> jax.Array | None:
   return jnp.clip(jnp.asarray(num_real, jnp.int32), 1, num_microbatches)
 
 
-def _run_borrowing(step, init, any_kept, num_microbatches, num_real):
-  """The loop of :mod:`borrowing`: it runs no micro-batch at all if none
-  has tokens (their zero seeds would meet 0/0).
+def _run_borrowing(step, init, runs, num_microbatches, num_real):
+  """The loop of :mod:`borrowing`: it runs no micro-batch at all if every
+  count is zero (their zero seeds would meet 0/0); ``runs`` says
+  (``borrowing.plan``: a bad count runs it, to reach the sums).
 
   It outputs nothing per micro-batch (borrowing applies only where nothing
   is stacked): the values' dtype and the (leafless) stacked aux are read
@@ -232,11 +233,11 @@ def _run_borrowing(step, init, any_kept, num_microbatches, num_real):
     return carry
 
   if num_real is None:
-    carry = conditional_loops.trips_if(any_kept, body, num_microbatches,
+    carry = conditional_loops.trips_if(runs, body, num_microbatches,
                                        init)
   else:  # a traced count: no reverse mode, as _run_microbatches's.
     carry = conditional_loops.trips(
-        body, jnp.where(any_kept, 0, num_real), num_real, init)
+        body, jnp.where(runs, 0, num_real), num_real, init)
   dtype, stacked = seen[-1]
   return carry, (jax.ShapeDtypeStruct((num_microbatches,), dtype), stacked)
 
@@ -320,7 +321,7 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
           step, init, opts.num_microbatches, inputs.num_real)
     else:
       (sums, model_state), (values, stacked) = _run_borrowing(
-          step, init, borrow.any_kept, opts.num_microbatches,
+          step, init, borrow.runs, opts.num_microbatches,
           inputs.num_real)
   sums = sums._replace(grads=lay.after_loop(sums.grads, rules))
   return sums, LoopOut(model_state, values.dtype, stacked, plan, rules)

@@ -56,6 +56,23 @@ def test_no_tokens_at_all_give_zeros_not_nan():
   helpers.assert_trees_equal(grads, jax.tree.map(jnp.zeros_like, _params()))
 
 
+@pytest.mark.parametrize("bad", [-4.0, float("nan")])
+@pytest.mark.parametrize("which", ["every", "one"])
+def test_a_bad_count_makes_the_result_nan_not_zero(bad, which):
+  """A NaN or negative count is never a weight, nor dropped silently: it
+  reaches the token sum. With every count bad, the loop must still run (it
+  ran none, as for no tokens at all, and gave a finite 0)."""
+  def count(mb):
+    n = helpers.num_tokens(mb)
+    return jnp.where(n == 3.0, bad, n) if which == "one" else n * 0 + bad
+
+  fn = jax.jit(oa.value_and_grad(mean_loss, num_microbatches=4,
+                                 num_tokens_fn=count))
+  loss, grads = fn(_params(), _batch([1, 2, 3, 0, 2, 2, 1, 1]))
+  assert np.isnan(float(loss))
+  assert all(bool(jnp.all(jnp.isnan(g))) for g in jax.tree.leaves(grads))
+
+
 @pytest.mark.parametrize("num_real", [1, 2, 3])
 def test_only_real_micro_batches_are_borrowed(num_real):
   """Past ``num_real_microbatches`` nothing is run or borrowed: the sums
