@@ -225,17 +225,29 @@ def normalize(loss_fn, has_aux, has_state):
     loss, rest = out
     loss = scalar(loss)
     if not has_state:
-      return loss, (None, rest)
+      return loss, (None, _arrays("aux", rest))
     if not has_aux:
-      return loss, (rest, None)
+      return loss, (_arrays("new_model_state", rest), None)
     if not isinstance(rest, tuple) or len(rest) != 2:
       raise ValueError(
           "With has_state=True and has_aux=True, loss_fn must return"
           f" (loss, (new_model_state, aux)), got (loss, {type(rest).__name__})."
       )
-    return loss, rest
+    return loss, (_arrays("new_model_state", rest[0]), _arrays("aux", rest[1]))
 
   return normalized
+
+
+def _arrays(name: str, tree: Any) -> Any:
+  """``tree``, or an error naming its first leaf that is not an array."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if not is_array(leaf):
+      raise TypeError(
+          f"loss_fn's {name}{jax.tree_util.keystr(path)} is a"
+          f" {type(leaf).__name__} ({shown(leaf)}): the {name} that loss_fn"
+          " returns is carried through the micro-batch loop, so its leaves"
+          " must be arrays or numbers. Return other values outside fn.")
+  return tree
 
 
 def _signature(loss_fn) -> inspect.Signature | None:

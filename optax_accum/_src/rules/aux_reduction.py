@@ -107,19 +107,26 @@ def init(shapes: list[Any], reductions: list[str], accumulator_dtype: Any):
 
 def update(running: Running, leaves: list[Any], reductions: list[str],
            tokens: jax.Array) -> tuple[Running, list[Any]]:
-  """Adds one micro-batch's aux leaves; returns the stacked ones apart."""
+  """Adds one micro-batch's aux leaves; returns the stacked ones apart.
+
+  A micro-batch without tokens (or with a bad count) adds nothing to any
+  reduction, as to the gradient: its aux may be a 0/0 mean. Stacked, its
+  aux is its own.
+  """
   weight = token_weighting.contribution(tokens, "mean")
+  keep = weight.keep
   sums, extrema, stacked = [], [], []
   for r, s, e, x in zip(reductions, running.sums, running.extrema, leaves):
     stacked.append(x if r == "stack" else None)
     if r == "mean":
       s = s + token_weighting.weighted(x, weight, s.dtype)
     elif r == "sum":
-      s = s + jnp.asarray(x).astype(s.dtype)
+      x = jnp.asarray(x).astype(s.dtype)
+      s = s + jnp.where(keep, x, jnp.zeros_like(x))
     elif r == "max":
-      e = jnp.maximum(e, jnp.asarray(x).astype(e.dtype))
+      e = jnp.where(keep, jnp.maximum(e, jnp.asarray(x).astype(e.dtype)), e)
     elif r == "min":
-      e = jnp.minimum(e, jnp.asarray(x).astype(e.dtype))
+      e = jnp.where(keep, jnp.minimum(e, jnp.asarray(x).astype(e.dtype)), e)
     sums.append(s)
     extrema.append(e)
   return Running(sums, extrema), stacked

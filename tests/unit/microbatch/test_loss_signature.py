@@ -88,6 +88,14 @@ def test_an_integer_parameter_is_named_by_its_path():
     fn({"w": jnp.ones(2), "step": jnp.int32(3)}, _batch())
 
 
+@pytest.mark.parametrize("aux_reduction", ["stack", "mean"])
+def test_an_aux_leaf_that_is_not_an_array_is_named(aux_reduction):
+  fn = _fn(lambda w, mb: (_mse(w, mb), {"tag": "run-1"}), has_aux=True,
+           aux_reduction=aux_reduction)
+  with pytest.raises(TypeError, match=r"aux\['tag'\] is a str"):
+    fn(jnp.ones(2), _batch())
+
+
 def test_coupled_value_and_grad_names_an_integer_loss():
   def encode(p, mb):
     return {"a": mb["x"] @ p}

@@ -313,6 +313,25 @@ def test_aux_mean_without_tokens_is_zero_and_string_applies_to_every_leaf():
   assert float(aux["a"]) == 0.0
 
 
+@pytest.mark.parametrize("reduction,combine", [
+    ("sum", np.sum), ("max", np.max), ("min", np.min)])
+def test_a_micro_batch_without_tokens_adds_nothing_to_any_reduction(
+    reduction, combine):
+  """Its aux may be a 0/0 mean (the stacked NaN below): summed, or taken
+  into a max or min, it made the whole metric NaN."""
+  batch = _data()
+  batch["mask"] = batch["mask"].at[8:16].set(0.0)  # a micro-batch: 0 tokens.
+  fn = lambda red: oa.value_and_grad(
+      _metrics_loss, num_microbatches=4, has_aux=True,
+      num_tokens_fn=num_tokens, aux_reduction=red)
+  (_, stacked), _ = fn("stack")(_params(), batch)
+  per_mb = np.asarray(stacked["accuracy"])
+  assert np.isnan(per_mb[1]) and not np.isnan(np.delete(per_mb, 1)).any()
+  (_, reduced), _ = jax.jit(fn(reduction))(_params(), batch)
+  np.testing.assert_allclose(reduced["accuracy"],
+                             combine(np.delete(per_mb, 1)), rtol=1e-6)
+
+
 def test_aux_is_reduced_in_the_carry_not_stacked():
   def loss_fn(params, batch):
     return mean_loss(params, batch), jnp.ones(4096) * batch["y"].sum()
