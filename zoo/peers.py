@@ -64,7 +64,22 @@ def _sharded_dim(spec, axis):
 
 
 def scan_whole_sum(cfg: tm.Config, mesh, num_microbatches: int):
-  """``f(params, batch) -> (loss, grads)`` on ``mesh``'s ``cfg.fsdp`` axis."""
+  """``f(params, batch) -> (loss, grads)`` on ``mesh``'s ``cfg.fsdp`` axis:
+  the parameters gathered once, the whole gradient's sum held through the
+  loop and reduce-scattered after it (``gradient_sync="once"``)."""
+  return _fsdp_scan(cfg, mesh, num_microbatches, scatter_in_loop=False)
+
+
+def scan_scattered_sum(cfg: tm.Config, mesh, num_microbatches: int):
+  """The same gathered once, each micro-batch's gradient reduce-scattered
+  in the loop into a sum sharded like the parameters (the loop a user writes
+  for ``gather_params="once"``, ``gradient_sync="every_microbatch"``). An
+  optimization barrier keeps the reduce-scatters in the loop, as the policy
+  does: XLA's TPU compiler moves ``sum += reduce_scatter(g)`` out of it."""
+  return _fsdp_scan(cfg, mesh, num_microbatches, scatter_in_loop=True)
+
+
+def _fsdp_scan(cfg, mesh, num_microbatches, scatter_in_loop):
   axis, specs = cfg.fsdp, tm.specs(cfg)
   loss_fn = tm.loss_fn(cfg._replace(batch_axes=(), fsdp=None))
 
@@ -75,11 +90,18 @@ def scan_whole_sum(cfg: tm.Config, mesh, num_microbatches: int):
     dim = _sharded_dim(spec, axis)
     return p if dim is None else lax.all_gather(p, axis, axis=dim, tiled=True)
 
-  def reduce(g, spec):
+  def scatter(g, spec):  # a psum where the leaf is not sharded.
     dim = _sharded_dim(spec, axis)
     if dim is None:
       return lax.psum(g, axis)
     return lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+
+  def in_loop(g, spec):
+    return g if _sharded_dim(spec, axis) is None else scatter(g, spec)
+
+  def after_loop(g, spec):
+    return scatter(g, spec) if not scatter_in_loop or _sharded_dim(
+        spec, axis) is None else g
 
   def local(params, batch):
     full = jax.tree.map(gather, params, specs)
@@ -88,13 +110,16 @@ def scan_whole_sum(cfg: tm.Config, mesh, num_microbatches: int):
 
     def body(carry, microbatch):
       value, grads = jax.value_and_grad(weighted)(full, microbatch)
+      if scatter_in_loop:
+        grads = lax.optimization_barrier(jax.tree.map(in_loop, grads, specs))
       return (carry[0] + value, jax.tree.map(jnp.add, carry[1], grads)), None
 
-    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, full))
+    sums = params if scatter_in_loop else full
+    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, sums))
     (value, grads), _ = lax.scan(body, zeros, split)
     tokens = lax.psum(tm.num_tokens(batch), axis)
     return (lax.psum(value, axis) / tokens,
-            jax.tree.map(lambda g, s: reduce(g, s) / tokens, grads, specs))
+            jax.tree.map(lambda g, s: after_loop(g, s) / tokens, grads, specs))
 
   # check_vma off: the gathered parameters and the sums need no typing here.
   return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(axis)),
