@@ -332,6 +332,23 @@ def test_a_micro_batch_without_tokens_adds_nothing_to_any_reduction(
                              combine(np.delete(per_mb, 1)), rtol=1e-6)
 
 
+def test_with_no_tokens_at_all_each_reduction_runs_over_nothing():
+  batch = _data()
+  batch["mask"] = jnp.zeros_like(batch["mask"])
+  aux = {"sum": "sum", "max": "max", "min": "min", "imax": "max"}
+  fn = oa.value_and_grad(
+      lambda p, b: (mean_loss(p, b), {"sum": jnp.float32(1),
+                                      "max": jnp.float32(1),
+                                      "min": jnp.float32(1),
+                                      "imax": jnp.int32(1)}),
+      num_microbatches=2, has_aux=True, num_tokens_fn=num_tokens,
+      aux_reduction=aux)
+  (_, got), _ = jax.jit(fn)(_params(), batch)
+  assert float(got["sum"]) == 0.0
+  assert float(got["max"]) == -np.inf and float(got["min"]) == np.inf
+  assert int(got["imax"]) == np.iinfo(np.int32).min
+
+
 def test_aux_is_reduced_in_the_carry_not_stacked():
   def loss_fn(params, batch):
     return mean_loss(params, batch), jnp.ones(4096) * batch["y"].sum()
