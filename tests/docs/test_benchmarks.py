@@ -176,3 +176,25 @@ def test_only_names_the_unknown_benchmark(quick_run):
     run.select(benches, "a,z")
   assert run.default_prefix("full").endswith("latest")
   assert not run.default_prefix("quick").endswith("latest")
+
+
+def test_on_device_reads_the_emit_step_from_the_device_in_hand(tmp_path):
+  """``on_device.py`` (run on a real H100 for ``results/h100.md``): o
+  compiled for jax's default device, read in this process, its checks run,
+  and the registry's own configurations left as they were."""
+  run, modules = _import_benchmarks()
+  try:
+    emit = modules["bench_emit"]
+    toy = dict(emit.CONFIGS["toy"])
+    res = modules["on_device"].main(
+        ["--size", "toy", "--only", "o", "--out", str(tmp_path / "d")])
+  finally:
+    _forget_benchmarks(modules)
+  local = res["o"]["compilers"]["local"]
+  assert local["device_kind"] == res["machine"]["device_kind"]
+  peaks = {n: m["peak_bytes"] for n, m in local["inners"]["adamw"].items()}
+  assert set(peaks) == set(emit.CANDIDATES)
+  assert peaks[emit.FLOOR] < min(peaks[n] for n in emit.CANDIDATES[:4])
+  assert not run.report.failed_checks(res)
+  assert emit.CONFIGS["toy"] == toy
+  assert (tmp_path / "d.md").read_text().count("| local (") == 1
