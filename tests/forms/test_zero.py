@@ -108,6 +108,8 @@ def test_zero_specs_name_a_missing_mesh_and_unknown_axes():
     oa.zero_specs({"w": jnp.zeros(8)}, "data")
   with pytest.raises(ValueError, match="'batch'"):
     oa.zero_specs({"w": jnp.zeros(8)}, "batch", mesh=_mesh())
+  with pytest.raises(TypeError, match=r"mesh must be a jax\.sharding\.Mesh"):
+    oa.zero_specs({"w": jnp.zeros(8)}, "data", mesh="data")
 
 
 @pytest.mark.parametrize("sync", ["once", "every_microbatch"])

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import validation
 from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import state_access
 from optax_accum._src.accumulate import typed_sums
@@ -26,7 +27,42 @@ def _slot_spec(param_spec: P, slots: Any, slot: readers.AxisName,
   typed = readers.explicit_spec(slots) if from_type else None
   if typed is None:
     return P(slot, *param_spec)
+  typed_slots = set(readers.axes_of(typed[0])) - {None} if typed else set()
+  if typed_slots - set(readers.axes_of(slot)):
+    raise ValueError(
+        f"axis_name={slot!r}, but the state's running sums keep their"
+        f" per-device slots over {sorted(typed_slots)} (their type is"
+        f" {typed}): pass the axis_name given to optax_accum.accumulate.")
   return readers.restrict(typed, slot)
+
+
+def _check_args(state: Any, axis_name: Any, param_specs: Any) -> list[Any]:
+  """The state's AccumulateStates, or our error naming a bad argument."""
+  validation.check_axis_name(axis_name)
+  is_spec = lambda x: isinstance(x, P) or x is None
+  bad = [x for x in jax.tree.leaves(param_specs, is_leaf=is_spec)
+         if not is_spec(x)]
+  if bad:
+    raise TypeError(
+        "param_specs must be None, a PartitionSpec or a tree of them (a"
+        f" prefix of the parameters' tree), got {param_specs!r}.")
+  if axis_name is None and param_specs is not None:
+    raise ValueError(
+        "param_specs is read only with axis_name (the specs of the per-device"
+        " slots' parameters); without it each leaf's spec is read off the"
+        " state's type: make the state under jax.set_mesh from sharded"
+        " parameters (or jax.eval_shape of tx.init on them).")
+  states = state_access.accumulate_states(state, "state")
+  for found in states if axis_name is not None else ():
+    if jnp.ndim(found.token_count) != 1:
+      raise ValueError(
+          f"axis_name={axis_name!r}, but the state holds no per-device slots"
+          " (its token_count has shape"
+          f" {jnp.shape(found.token_count)}): it was built by"
+          " optax_accum.accumulate without axis_name. Call"
+          " state_partition_specs(state) without axis_name, or build"
+          " accumulate with the axis_name of its shard_map.")
+  return states
 
 
 def state_partition_specs(
@@ -90,10 +126,11 @@ def state_partition_specs(
     >>> specs.grad_sum, specs.token_count, specs.count
     ({'w': P('data',)}, P('data',), P())
   """
+  states = _check_args(state, axis_name, param_specs)
   if axis_name is None:
     return _typed_specs(state)
   is_state = lambda x: isinstance(x, state_lib.AccumulateState)
-  grad_sum = state_access.accumulate_states(state, "state")[0].grad_sum
+  grad_sum = states[0].grad_sum
   slot = axis_name
 
   def spec_tree_for(grad_sum):
@@ -102,12 +139,18 @@ def state_partition_specs(
       return jax.tree.map(lambda _: P(), grad_sum)
     if isinstance(param_specs, P):
       return jax.tree.map(lambda _: param_specs, grad_sum)
-    return jax.tree.map(
-        lambda spec, sub: jax.tree.map(lambda _: spec, sub),
-        param_specs,
-        grad_sum,
-        is_leaf=lambda x: isinstance(x, P) or x is None,
-    )
+    try:
+      return jax.tree.map(
+          lambda spec, sub: jax.tree.map(lambda _: spec, sub),
+          param_specs,
+          grad_sum,
+          is_leaf=lambda x: isinstance(x, P) or x is None,
+      )
+    except ValueError as e:
+      raise ValueError(
+          "param_specs must be a PartitionSpec or a tree of them that is a"
+          " prefix of the parameters' tree"
+          f" {jax.tree.structure(grad_sum)}: {e}") from None
 
   def like_params(node, grad_sum):
     """Whether ``node`` is a tree shaped like the parameters."""

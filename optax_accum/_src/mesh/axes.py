@@ -15,6 +15,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from optax_accum._src import validation
 from optax_accum._src.mesh import compat
 from optax_accum._src.mesh import readers
 
@@ -82,6 +83,13 @@ def device_local(tree: Any, axis_name: readers.AxisName) -> Any:
     >>> f(jnp.ones(2), jnp.array([1.0, 2.0]))
     Array([1., 2.], dtype=float32)
   """
+  validation.check_axis_name(axis_name)
+  if axis_name is None or not is_bound(axis_name):
+    raise ValueError(
+        f"oa.device_local(tree, axis_name={axis_name!r}): {axis_name!r} is"
+        " not a manual axis here. Call it inside jax.shard_map (or"
+        " jax.pmap) over that axis, on values whose gradient should stay on"
+        " each device; under jax.jit the entry points need no device_local.")
   axes = readers.axes_of(axis_name)
 
   def cast(x):

@@ -22,6 +22,11 @@ from optax_accum._src.mesh import readers
 
 
 def _mesh(mesh: Any) -> Any:
+  if mesh is not None and not isinstance(
+      mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(
+        f"mesh must be a jax.sharding.Mesh (or AbstractMesh) or None, got"
+        f" {mesh!r} of type {type(mesh).__name__}.")
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   if mesh is None or not mesh.axis_names:
     raise ValueError(

@@ -27,13 +27,19 @@ import jax
 import jax.numpy as jnp
 
 
+def _check_trailing(x: Any, factor: Any, name: str) -> None:
+  """Raises unless ``factor`` is shaped like ``x``'s trailing axes."""
+  x_shape, shape = jnp.shape(x), jnp.shape(factor)
+  if len(shape) > len(x_shape) or x_shape[len(x_shape) - len(shape):] != shape:
+    raise ValueError(
+        f"{name} of shape {shape} must be shaped like the trailing axes of x,"
+        f" of shape {x_shape} (a bias or scale of the last axis has shape"
+        f" {x_shape[-1:]})."
+    )
+
+
 def _times(x: jax.Array, factor: jax.Array) -> jax.Array:
   """``x * factor`` over ``x``'s trailing axes, as an einsum."""
-  if jnp.ndim(factor) > jnp.ndim(x):
-    raise ValueError(
-        f"A factor of shape {jnp.shape(factor)} does not broadcast over the"
-        f" trailing axes of x of shape {jnp.shape(x)}."
-    )
   dims = string.ascii_letters[:jnp.ndim(factor)]
   return jnp.einsum(f"...{dims},{dims}->...{dims}", x, factor)
 
@@ -62,6 +68,8 @@ def multiply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
     Array([[1., 2., 3.],
            [1., 2., 3.]], dtype=float32)
   """
+  x, scale = jnp.asarray(x), jnp.asarray(scale)
+  _check_trailing(x, scale, "scale")
   return _times(x, scale)
 
 
@@ -91,6 +99,8 @@ def add_bias(x: jax.Array, bias: jax.Array) -> jax.Array:
     Array([[1., 2., 3.],
            [1., 2., 3.]], dtype=float32)
   """
+  x, bias = jnp.asarray(x), jnp.asarray(bias)
+  _check_trailing(x, bias, "bias")
   # Ones that vary like x: under jax.vmap, jnp.ones_like(x) alone is one
   # example's constant, and the einsum would not be batched over the axes
   # that shard x. The select reads no value of x (no NaN from an inf).

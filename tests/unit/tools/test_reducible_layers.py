@@ -8,6 +8,8 @@ fallback leaf after ``oa.reducible_layers``, the same outputs, a gradient
 exact against one device, and no gradient-sized all-reduce in the loop.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -52,6 +54,24 @@ def test_the_helpers_compute_the_plain_ops_and_their_gradients(vmapped):
 def test_add_bias_reads_no_value_of_x():
   out = oa.add_bias(jnp.array([jnp.inf, 1.0]), jnp.array([1.0, 2.0]))
   np.testing.assert_array_equal(out, [jnp.inf, 3.0])
+
+
+@pytest.mark.parametrize("fn", [oa.add_bias, oa.multiply_scale])
+@pytest.mark.parametrize("shape", [(4,), (3, 3), (2, 2, 3, 1)])
+def test_a_factor_not_shaped_like_trailing_axes_is_named(fn, shape):
+  name = "bias" if fn is oa.add_bias else "scale"
+  message = (f"{name} of shape {shape} must be shaped like the trailing axes"
+             " of x, of shape (2, 3)")
+  with pytest.raises(ValueError, match=re.escape(message)):
+    fn(jnp.ones((2, 3)), jnp.ones(shape))
+
+
+def test_trailing_factors_of_any_rank_and_lists_work():
+  x = np.arange(6.0).reshape(2, 3)
+  np.testing.assert_array_equal(oa.add_bias(x, np.ones((2, 3))), x + 1)
+  np.testing.assert_array_equal(oa.multiply_scale(x, 2.0), x * 2)
+  np.testing.assert_array_equal(oa.add_bias([1.0, 2.0], [1.0, 1.0]),
+                                [2.0, 3.0])
 
 
 def test_a_pytree_without_layers_is_returned_as_it_is():
