@@ -296,3 +296,69 @@ def test_param_specs_that_do_not_match_the_params_are_named():
     with pytest.raises(ValueError, match="param_specs must be a"):
       jax.jit(fn).lower(jax.device_put(_params(), SPECS),
                         jax.device_put(_data(), P("data")))
+
+
+# Shards handed to loss_fn (typed form, both policies "every_microbatch"):
+# on TPU and GPU only (typed_layout.hands_shards_on), forced on here to check
+# the arithmetic.
+
+
+def _gathering_loss(params, batch):
+  """raw_mean_loss written for FSDP weights: each gathered where used."""
+  whole = jax.tree.map(lambda w: jax.sharding.reshard(w, P()), params)
+  return raw_mean_loss(whole, batch)
+
+
+def _whole_weights_loss(params, batch):
+  """A model that refuses sharded weights (as a layer asserting its own
+  sharding would)."""
+  from optax_accum._src.mesh import readers  # pylint: disable=g-import-not-at-top
+  if "data" in readers.spec_names(jax.typeof(params["w1"]).sharding.spec):
+    raise ValueError("this model takes whole weights")
+  return raw_mean_loss(params, batch)
+
+
+# Per case: the reduce-scatters left in the loop (the rest are the backward
+# pass's, written on the CPU as one all-reduce): none where the loss takes
+# both shards; where it refuses them or with_stats, both leaves'; with w1 in
+# bfloat16 (its float32 sum) w1's alone.
+_SCATTERED = {"takes shards": 0, "refuses shards": 2, "with_stats": 2,
+              "bfloat16 weights": 1, "has_aux": 0}
+
+
+@pytest.mark.parametrize("case", list(_SCATTERED))
+def test_shards_handed_to_the_loss_are_exact(monkeypatch, case):
+  from optax_accum._src.microbatch import typed_layout  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(typed_layout, "hands_shards_on", lambda platform: True)
+  loss = (_whole_weights_loss if case == "refuses shards"
+          else _gathering_loss)
+  if case == "has_aux":  # stacked aux: weighted after the backward pass.
+    loss = lambda p, b: (_gathering_loss(p, b), helpers.num_tokens(b))
+  params = _params()
+  if case == "bfloat16 weights":
+    params = dict(params, w1=params["w1"].astype(jnp.bfloat16))
+  with jax.set_mesh(_mesh()):
+    fn = oa.value_and_grad(
+        loss, num_microbatches=K, num_tokens_fn=helpers.num_tokens,
+        gradient_sync=EVERY, gather_params=EVERY,
+        with_stats=case == "with_stats", has_aux=case == "has_aux")
+    step = jax.jit(fn)
+    args = (jax.device_put(params, SPECS), jax.device_put(_data(), P("data")))
+    compiled = step.lower(*args).compile()
+    out = compiled(*args)
+  loss_value, grads = out[:2]  # with_stats: then the GradStats.
+  if case == "has_aux":
+    (loss_value, _), grads = out
+  if case == "bfloat16 weights":
+    expected = jax.value_and_grad(raw_mean_loss)(params, _data())
+    helpers.assert_trees_close((loss_value, grads), expected, rtol=2e-2,
+                               atol=2e-2)
+  else:
+    _assert_exact(loss_value, grads)
+  for name, grad in grads.items():
+    assert grad.sharding.is_equivalent_to(args[0][name].sharding, grad.ndim)
+  # On the CPU the backward pass's reduce-scatter of a shard's gradient is an
+  # all-reduce: which path ran shows in the loop.
+  in_loop = oa.count_collectives(compiled, include_scalars=False).in_loop
+  assert in_loop.get("reduce-scatter", 0) == _SCATTERED[case], in_loop
+  assert in_loop["all-gather"] == SHARDED_LEAVES, in_loop

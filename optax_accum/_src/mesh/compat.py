@@ -140,8 +140,7 @@ def psum_scatter(x: Any, axis_name: Any, dim: int) -> Any:
   (``tests/compiled/test_compiled_tpu.py`` counts the reduce-scatters).
   """
   y = lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  if y.ndim < 2 or getattr(device, "platform", None) != "tpu":
+  if y.ndim < 2 or readers.mesh_platform() != "tpu":
     return y
   rest = [i for i in range(y.ndim) if i != dim]
   return jax_layout.with_layout_constraint(

@@ -23,6 +23,13 @@ def axes_of(axis_name: AxisName) -> tuple[str, ...]:
   return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
+def mesh_platform() -> str | None:
+  """The platform the current mesh compiles for (``"tpu"``, ``"cpu"``...),
+  or None without one."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return getattr(device, "platform", None)
+
+
 def entry(names: tuple[str, ...]) -> Any:
   """A spec entry for ``names``: None, one name, or a tuple of names."""
   return None if not names else names[0] if len(names) == 1 else names

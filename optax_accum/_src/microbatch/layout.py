@@ -79,6 +79,10 @@ class Program(NamedTuple):
   # new_aux_axis).
   aux_axis: int
   new_aux_axis: bool
+  # Per parameter leaf, whether ``local`` may differentiate its shard (the
+  # typed form's FSDP leaves under both policies "every_microbatch"); None:
+  # none.
+  shards_ok: Callable[[Any], list[bool]] | None = None
 
 
 class Layout(Protocol):

@@ -381,6 +381,17 @@ def _finalize(partials: layout.Partials, params,
   return finish_loop(sums, out, params, lay)
 
 
+def _shards_ok(opts: Options, params) -> list[bool]:
+  """Leaves whose shard the loop may differentiate: not with ``with_stats``
+  (it reads each device's partial gradient), and only where the sum's dtype
+  is the leaf's (JAX reduce-scatters a shard's gradient in its dtype)."""
+  if opts.with_stats:
+    return [False] * len(jax.tree.leaves(params))
+  dtypes = validation.per_leaf_dtypes(opts.accumulator_dtype, params)
+  return [jnp.dtype(d) == jnp.result_type(p) for p, d in
+          zip(jax.tree.leaves(params), jax.tree.leaves(dtypes))]
+
+
 def program(loss, opts: Options) -> layout.Program:
   """The runner's :class:`layout.Program` of one ``value_and_grad``."""
 
@@ -388,4 +399,5 @@ def program(loss, opts: Options) -> layout.Program:
     return _partials(*loop(loss, opts, params, inputs, lay))
 
   return layout.Program(local=local, finalize=_finalize, aux_axis=1,
-                        new_aux_axis=False)
+                        new_aux_axis=False,
+                        shards_ok=lambda params: _shards_ok(opts, params))

@@ -199,8 +199,9 @@ def check_attempt(attempt: Callable[[frozenset[int]], Any],
   cast_checks.check_casts(traced.jaxpr)
 
 
-def _traces(attempt: Callable[[frozenset[int]], Any],
-            reduced: frozenset[int]) -> bool:
+def traces(attempt: Callable[[frozenset[int]], Any],
+           reduced: frozenset[int]) -> bool:
+  """Whether ``attempt(reduced)`` traces (into a jaxpr, nothing bound)."""
   try:
     check_attempt(attempt, reduced)
   except Exception:  # any refusal of the cast counts.
@@ -215,13 +216,13 @@ def find(attempt: Callable[[frozenset[int]], Any],
   ``attempt(reduced)`` traces the loop with the leaves ``reduced`` cast.
   Raises the loop's own error if it fails with none of them reduced.
   """
-  if not _traces(attempt, frozenset()):
+  if not traces(attempt, frozenset()):
     check_attempt(attempt, frozenset())  # raises the model's own error.
   bad: list[int] = []
   good_upto = 0  # candidates[:good_upto] minus bad trace together.
   while True:
     kept = [c for c in candidates if c not in bad]
-    if _traces(attempt, frozenset(kept)):
+    if traces(attempt, frozenset(kept)):
       return bad
     # The shortest prefix of candidates whose cast fails ends with a leaf
     # that cannot be cast (with the ones before it).
@@ -229,7 +230,7 @@ def find(attempt: Callable[[frozenset[int]], Any],
     while high - low > 1:
       mid = (low + high) // 2
       prefix = frozenset(c for c in candidates[:mid] if c not in bad)
-      if _traces(attempt, prefix):
+      if traces(attempt, prefix):
         low = mid
       else:
         high = mid

@@ -58,7 +58,8 @@ def run(program: layout.Program, settings: Settings, params: Any,
       lay, partials = typed_layout.build_typed(
           lambda lay: _local(program, lay, params, inputs), params,
           settings.param_specs, settings.grad_reduction, settings.policy,
-          form.axis_name, form.leaf_axes, settings.num_microbatches)
+          form.axis_name, form.leaf_axes, settings.num_microbatches,
+          None if program.shards_ok is None else program.shards_ok(params))
       return program.finalize(lay.reduce(partials), params, lay)
     if form.kind == forms.AUTO:
       return over_mesh(program, settings, form, params, inputs)
