@@ -26,6 +26,7 @@ _OP_NAME = re.compile(r'\bop_name="([^"]*)"')
 _KNOWN_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _INT_CONSTANT = re.compile(r"=\s*[su](?:8|16|32|64)\[\]\S*\s+constant\((\d+)\)")
 _CONDITION = re.compile(r"\bcondition=%?([^\s,)]+)")
+_CALLS = re.compile(r"\bcalls=%?([^\s,)]+)")
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 
 
@@ -93,8 +94,12 @@ def trip_count(rest: str, computations: dict[str, Any]) -> int | None:
   condition = _CONDITION.search(rest)
   if condition is None:
     return None
-  bounds = {int(m.group(1))
-            for _, _, line in computations.get(condition.group(1), ())
+  # The condition's constants, and those of the fusions it calls (XLA's GPU
+  # compiler fuses the compare with its bound).
+  lines = list(computations.get(condition.group(1), ()))
+  lines += [fused for _, _, line in lines for callee in _CALLS.findall(line)
+            for fused in computations.get(callee, ())]
+  bounds = {int(m.group(1)) for _, _, line in lines
             if (m := _INT_CONSTANT.search(line))}
   return bounds.pop() if len(bounds) == 1 else None
 

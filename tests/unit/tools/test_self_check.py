@@ -248,6 +248,31 @@ def test_reads_hlo_text_and_the_bound_of_a_loop_condition():
       None,)
 
 
+_FUSED_CONDITION = """\
+%fused_compare (param_0: s32[]) -> pred[] {
+  %param_0 = s32[] parameter(0)
+  %bound = s32[] constant(4)
+  ROOT %lt = pred[] compare(%param_0, %bound), direction=LT
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+"""
+
+
+def test_reads_the_bound_of_a_condition_fused_with_its_compare():
+  """XLA's GPU compiler fuses the compare with its constant bound."""
+  fused = _FUSED_CONDITION + _LOOP.split("}\n\n", 1)[1]
+  found = _check(fused, num_microbatches=4, mesh=ABSTRACT_MESH)
+  assert found.trip_counts == (4,)
+  with pytest.raises(AssertionError, match="no trip count known"):
+    oa.check_train_step(fused.replace("constant(4)", "parameter(1)"),
+                        num_microbatches=4)
+
+
 _MICRO_STEP = """\
 %emit (x: f32[8]) -> f32[8] {
   %x = f32[8]{0} parameter(0)
