@@ -362,3 +362,19 @@ def test_shards_handed_to_the_loss_are_exact(monkeypatch, case):
   in_loop = oa.count_collectives(compiled, include_scalars=False).in_loop
   assert in_loop.get("reduce-scatter", 0) == _SCATTERED[case], in_loop
   assert in_loop["all-gather"] == SHARDED_LEAVES, in_loop
+
+
+def test_shards_stay_gathered_on_the_cpu_without_set_mesh():
+  """The platform is read off the parameters' types when no mesh is set:
+  on the CPU the loop gathers (and reduce-scatters) itself."""
+  mesh = _mesh()
+  params = jax.device_put(_params(), {k: jax.NamedSharding(mesh, s)
+                                      for k, s in SPECS.items()})
+  batch = jax.device_put(_data(), jax.NamedSharding(mesh, P("data")))
+  fn = oa.value_and_grad(
+      _gathering_loss, num_microbatches=K, num_tokens_fn=helpers.num_tokens,
+      gradient_sync=EVERY, gather_params=EVERY)
+  compiled = jax.jit(fn).lower(params, batch).compile()
+  _assert_exact(*compiled(params, batch))
+  in_loop = oa.count_collectives(compiled, include_scalars=False).in_loop
+  assert in_loop.get("reduce-scatter") == SHARDED_LEAVES, in_loop

@@ -23,11 +23,18 @@ def axes_of(axis_name: AxisName) -> tuple[str, ...]:
   return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def mesh_platform() -> str | None:
-  """The platform the current mesh compiles for (``"tpu"``, ``"cpu"``...),
-  or None without one."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  return getattr(device, "platform", None)
+def mesh_platform(tree: Any = None) -> str | None:
+  """The platform the current mesh compiles for (``"tpu"``, ``"cpu"``...);
+  without one set, that of the mesh in the first typed leaf of ``tree``;
+  else None."""
+  meshes = [jax.sharding.get_abstract_mesh()] + [
+      getattr(getattr(_aval(x), "sharding", None), "mesh", None)
+      for x in jax.tree.leaves(tree)]
+  for mesh in meshes:
+    device = getattr(mesh, "abstract_device", None)
+    if getattr(device, "platform", None) is not None:
+      return device.platform
+  return None
 
 
 def entry(names: tuple[str, ...]) -> Any:

@@ -421,7 +421,7 @@ def build_typed(
                 if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
                 and means[i]]
 
-  if not shards_ok or not hands_shards_on(readers.mesh_platform()):
+  if not shards_ok or not hands_shards_on(readers.mesh_platform(params)):
     shards_ok = [False] * len(leaves)
 
   def layout_for(reduced: frozenset[int], shards=False) -> TypedLayout:
