@@ -167,6 +167,54 @@ def emit_step(kind, inner, k=4):
   return tx.init, step
 
 
+NNX_EMIT_KINDS = ("MultiSteps", "nnx.Optimizer.update", "update_and_apply")
+
+
+def nnx_emit_peak(device, kind, inner, leaves=4, size=1024, k=4) -> int:
+  """The peak of one donated micro-step inside an ``nnx.Optimizer``,
+  compiled for ``device``: ``kind`` is one of :data:`NNX_EMIT_KINDS`,
+  ``optimizer.update(model, grads)`` with ``optax.MultiSteps`` or with
+  ``oa.accumulate``, or ``oa.update_and_apply`` written back with
+  ``nnx.update`` (docs/flax.md). The model and optimizer are split, their
+  state and the gradients donated to one ``jax.jit``."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  as_pure = getattr(nnx, "as_pure", None) or nnx.pure
+
+  class Model(nnx.Module):
+    def __init__(self):
+      for i in range(leaves):
+        setattr(self, f"w{i}", nnx.Param(jnp.zeros((size, size))))
+
+  def make():
+    model = Model()
+    tx = (optax.MultiSteps(inner, every_k_schedule=k) if kind == "MultiSteps"
+          else oa.accumulate(inner, every_k=k, equal_weights=True))
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  model, optimizer = nnx.eval_shape(make)
+  graphdef, state = nnx.split((model, optimizer))
+
+  def step(state, grads):
+    model, optimizer = nnx.merge(graphdef, state)
+    if kind == "update_and_apply":
+      params, opt_state = oa.update_and_apply(
+          optimizer.tx, as_pure(grads), as_pure(optimizer.opt_state),
+          as_pure(nnx.state(model, nnx.Param)))
+      nnx.update(model, params)
+      nnx.update(optimizer.opt_state, nnx.state(opt_state))
+    else:
+      optimizer.update(model, grads)
+    return nnx.state((model, optimizer))
+
+  mesh_ = mesh([device], (1,), ("x",))
+  on_device = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh_, P())), tree)
+  with jax.set_mesh(mesh_):
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+        on_device(state), on_device(nnx.state(model, nnx.Param))).compile()
+  return compiled.memory_analysis().peak_memory_in_bytes
+
+
 def emit_peak(device, kind, inner, leaves=4, size=1024, k=4) -> int:
   """The peak of one donated :func:`emit_step` on ``device``, compiled:
   ``leaves`` float32 parameters of ``size`` x ``size``, the gradients

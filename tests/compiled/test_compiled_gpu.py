@@ -141,3 +141,15 @@ def test_update_and_apply_emits_without_a_copy(report, inner):
   scalars = 1024  # our state's counters and flags, a few hundred bytes.
   assert peaks["update_and_apply"] <= peaks["MultiSteps"] + scalars, peaks
   assert peaks["update_and_apply"] <= peaks["apply_if_updated"], peaks
+
+
+def test_update_and_apply_in_an_nnx_optimizer_peaks_no_higher_than_multisteps(
+    report):
+  """SPEC 11 (issue 38, item 3) inside an nnx.Optimizer on one H100:
+  written back with nnx.update, at optax.MultiSteps's peak in the same
+  nnx.Optimizer; nnx.Optimizer.update, which adds the updates tx.update hands
+  back, above it (4096 against 2560 MiB at 8 x f32[4096, 4096])."""
+  peaks = report["nnx_emit"]
+  scalars = 1024
+  assert peaks["update_and_apply"] <= peaks["MultiSteps"] + scalars, peaks
+  assert peaks["nnx.Optimizer.update"] > peaks["update_and_apply"], peaks

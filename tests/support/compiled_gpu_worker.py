@@ -78,6 +78,9 @@ def gpu_report() -> dict:
              for kind in co.EMIT_KINDS}
       for name, opt in (("adamw", optax.adamw(1e-3)),
                         ("muon", optax.contrib.muon(1e-3)))}
+  out["nnx_emit"] = {kind: co.nnx_emit_peak(devices[0], kind,
+                                            optax.adamw(1e-3))
+                     for kind in co.NNX_EMIT_KINDS}
   return out
 
 
