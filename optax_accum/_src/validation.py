@@ -187,6 +187,16 @@ def check_bool(name: str, value: Any) -> bool:
   return value
 
 
+def check_mesh(value: Any, name: str = "mesh") -> Any:
+  """None, or a ``jax.sharding.Mesh`` or ``AbstractMesh``."""
+  if value is not None and not isinstance(
+      value, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(
+        f"{name} must be a jax.sharding.Mesh (or AbstractMesh) or None, got"
+        f" {value!r} of type {type(value).__name__}.")
+  return value
+
+
 _SHORT = 200  # characters: a PyTreeDef longer than this is not shown.
 
 

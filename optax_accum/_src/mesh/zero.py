@@ -18,15 +18,12 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import validation
 from optax_accum._src.mesh import readers
 
 
 def _mesh(mesh: Any) -> Any:
-  if mesh is not None and not isinstance(
-      mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-    raise TypeError(
-        f"mesh must be a jax.sharding.Mesh (or AbstractMesh) or None, got"
-        f" {mesh!r} of type {type(mesh).__name__}.")
+  validation.check_mesh(mesh)
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   if mesh is None or not mesh.axis_names:
     raise ValueError(

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from optax_accum._src import validation
 from optax_accum._src.tools import hlo_text
 
 # hlo_text's, named here too: the collectives this counts, and one found.
@@ -253,6 +254,8 @@ def count_collectives(
     ('data',) {} {'all-reduce': 1}
     ('model',) {'all-reduce': 1} {}
   """
+  validation.check_mesh(mesh)
+  validation.check_bool("include_scalars", include_scalars)
   tally = _Tally()
   tally_by_axes = collections.defaultdict(_Tally)
   for found in collectives(program, mesh):

@@ -278,6 +278,7 @@ def check_train_step(
     raise ValueError(
         f"gradient_sync must be one of {fsdp.CHOICES}, the value the step's"
         f" oa.value_and_grad was given, got {gradient_sync!r}.")
+  validation.check_mesh(mesh)
   program = step_reading.compiled(program)
   mesh = step_reading.program_mesh(program) if mesh is None else mesh
   data_axes = _check_data_axes(data_axes, mesh)

@@ -95,6 +95,14 @@ def test_count_collectives_rejects_what_is_not_compiled_hlo():
   with pytest.raises(TypeError, match="compiled program"):
     oa.count_collectives(42)
   assert oa.count_collectives(lowered).total == {}  # compiled for us.
+  with pytest.raises(TypeError, match="include_scalars must be a bool, got"
+                     " 'no'"):
+    oa.count_collectives(lowered, include_scalars="no")
+  with pytest.raises(TypeError, match=r"mesh must be a jax\.sharding\.Mesh"
+                     r" \(or AbstractMesh\) or None, got 'data'"):
+    oa.count_collectives(lowered, mesh="data")
+  with pytest.raises(TypeError, match=r"mesh must be a jax\.sharding\.Mesh"):
+    oa.check_train_step(lowered, num_microbatches=None, mesh=("data",))
 
 
 def _loop_and_after(mesh):
