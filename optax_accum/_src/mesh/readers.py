@@ -34,6 +34,9 @@ def mesh_platform(tree: Any = None) -> str | None:
     device = getattr(mesh, "abstract_device", None)
     if getattr(device, "platform", None) is not None:
       return device.platform
+    kind = str(getattr(device, "device_kind", "") or "").lower()
+    if kind:  # jax < 0.10 names no platform: its device kind tells.
+      return "cpu" if kind == "cpu" else "tpu" if "tpu" in kind else "gpu"
   return None
 
 

@@ -393,11 +393,12 @@ _REFUSALS = (compat.sharding_type_error(), TypeError, ValueError,
 
 
 def hands_shards_on(platform: str | None) -> bool:
-  """Whether the loop differentiates shards on ``platform``: not on the
-  CPU, where XLA writes the backward pass's reduce-scatter of a shard's
-  gradient as a whole all-reduce (twice the bytes on the wire; the tests
-  force it there to check its arithmetic)."""
-  return platform != "cpu"
+  """Whether the loop differentiates shards on ``platform``: on TPU and
+  GPU; not on the CPU, where XLA writes the backward pass's reduce-scatter
+  of a shard's gradient as a whole all-reduce (twice the bytes on the wire;
+  the tests force it there to check its arithmetic), nor where it is not
+  known."""
+  return platform in ("tpu", "gpu", "cuda", "rocm")
 
 
 def build_typed(

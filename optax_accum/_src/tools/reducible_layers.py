@@ -27,6 +27,13 @@ import jax
 import jax.numpy as jnp
 
 
+def _as_array(x: Any) -> Any:
+  """Lists and scalars as arrays; arrays and tracers as they are (jax 0.9's
+  ``jnp.asarray`` of a vmapped, sharded tracer re-applies its sharding to
+  one example's shape)."""
+  return x if isinstance(x, (jax.Array, jax.core.Tracer)) else jnp.asarray(x)
+
+
 def _check_trailing(x: Any, factor: Any, name: str) -> None:
   """Raises unless ``factor`` is shaped like ``x``'s trailing axes."""
   x_shape, shape = jnp.shape(x), jnp.shape(factor)
@@ -68,7 +75,7 @@ def multiply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
     Array([[1., 2., 3.],
            [1., 2., 3.]], dtype=float32)
   """
-  x, scale = jnp.asarray(x), jnp.asarray(scale)
+  x, scale = _as_array(x), _as_array(scale)
   _check_trailing(x, scale, "scale")
   return _times(x, scale)
 
@@ -99,7 +106,7 @@ def add_bias(x: jax.Array, bias: jax.Array) -> jax.Array:
     Array([[1., 2., 3.],
            [1., 2., 3.]], dtype=float32)
   """
-  x, bias = jnp.asarray(x), jnp.asarray(bias)
+  x, bias = _as_array(x), _as_array(bias)
   _check_trailing(x, bias, "bias")
   # Ones that vary like x: under jax.vmap, jnp.ones_like(x) alone is one
   # example's constant, and the einsum would not be batched over the axes
