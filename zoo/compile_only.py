@@ -207,8 +207,8 @@ def nnx_emit_peak(device, kind, inner, leaves=4, size=1024, k=4) -> int:
     return nnx.state((model, optimizer))
 
   mesh_ = mesh([device], (1,), ("x",))
-  on_device = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=NamedSharding(mesh_, P())), tree)
+  on_device = lambda tree: abstract(tree, mesh_, jax.tree.map(lambda _: P(),
+                                                             tree))
   with jax.set_mesh(mesh_):
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
         on_device(state), on_device(nnx.state(model, nnx.Param))).compile()

@@ -36,6 +36,26 @@ def _slot_spec(param_spec: P, slots: Any, slot: readers.AxisName,
   return readers.restrict(typed, slot)
 
 
+def _param_spec_tree(param_specs: Any, grad_sum: Any) -> Any:
+  """Each parameter's spec, as a tree shaped like the parameters."""
+  if param_specs is None:
+    return jax.tree.map(lambda _: P(), grad_sum)
+  if isinstance(param_specs, P):
+    return jax.tree.map(lambda _: param_specs, grad_sum)
+  try:
+    return jax.tree.map(
+        lambda spec, sub: jax.tree.map(lambda _: spec, sub),
+        param_specs,
+        grad_sum,
+        is_leaf=lambda x: isinstance(x, P) or x is None,
+    )
+  except ValueError as e:
+    raise ValueError(
+        "param_specs must be a PartitionSpec or a tree of them that is a"
+        " prefix of the parameters' tree"
+        f" {jax.tree.structure(grad_sum)}: {e}") from None
+
+
 def _check_args(state: Any, axis_name: Any, param_specs: Any) -> list[Any]:
   """The state's AccumulateStates, or our error naming a bad argument."""
   validation.check_axis_name(axis_name)
@@ -133,24 +153,7 @@ def state_partition_specs(
   grad_sum = states[0].grad_sum
   slot = axis_name
 
-  def spec_tree_for(grad_sum):
-    """Each parameter's spec, as a tree shaped like the parameters."""
-    if param_specs is None:
-      return jax.tree.map(lambda _: P(), grad_sum)
-    if isinstance(param_specs, P):
-      return jax.tree.map(lambda _: param_specs, grad_sum)
-    try:
-      return jax.tree.map(
-          lambda spec, sub: jax.tree.map(lambda _: spec, sub),
-          param_specs,
-          grad_sum,
-          is_leaf=lambda x: isinstance(x, P) or x is None,
-      )
-    except ValueError as e:
-      raise ValueError(
-          "param_specs must be a PartitionSpec or a tree of them that is a"
-          " prefix of the parameters' tree"
-          f" {jax.tree.structure(grad_sum)}: {e}") from None
+  spec_tree_for = lambda grad_sum: _param_spec_tree(param_specs, grad_sum)
 
   def like_params(node, grad_sum):
     """Whether ``node`` is a tree shaped like the parameters."""
