@@ -131,25 +131,30 @@ def test_zero_reduce_scatters_into_the_optimizer_shards(report, sync):
 
 
 @pytest.mark.parametrize("inner", ["adamw", "muon"])
-def test_update_and_apply_emits_without_a_copy(report, inner):
+def test_donated_micro_steps_emit_without_a_copy(report, inner):
   """SPEC 11 (issue 38, item 3) on one H100: a donated micro-step of
-  oa.update_and_apply peaks no higher than optax.MultiSteps's. XLA's GPU
-  compiler copies the parameters that a conditional passes through: applied
-  in a loop of at most one trip, they are updated in place (both peak at
-  their arguments, but for our state's scalars)."""
+  oa.update_and_apply, or of tx.update + oa.apply_if_updated, peaks no
+  higher than optax.MultiSteps's. XLA's GPU compiler copies what a
+  conditional passes through: the parameters (update_and_apply) and the
+  running sum that holds the updates (tx.update, accumulate/update_slot.py)
+  are a loop's carry of at most one trip, updated in place (all peak at
+  their arguments, but for our state's scalars; apply_if_updated was 4096
+  against 2560 MiB at 8 x f32[4096, 4096] before)."""
   peaks = report["emit"][inner]
   scalars = 1024  # our state's counters and flags, a few hundred bytes.
   assert peaks["update_and_apply"] <= peaks["MultiSteps"] + scalars, peaks
-  assert peaks["update_and_apply"] <= peaks["apply_if_updated"], peaks
+  assert peaks["apply_if_updated"] <= peaks["MultiSteps"] + scalars, peaks
 
 
-def test_update_and_apply_in_an_nnx_optimizer_peaks_no_higher_than_multisteps(
+def test_an_nnx_optimizer_micro_step_peaks_no_higher_than_multisteps(
     report):
   """SPEC 11 (issue 38, item 3) inside an nnx.Optimizer on one H100:
-  written back with nnx.update, at optax.MultiSteps's peak in the same
-  nnx.Optimizer; nnx.Optimizer.update, which adds the updates tx.update hands
-  back, above it (4096 against 2560 MiB at 8 x f32[4096, 4096])."""
+  optimizer.update (the kept updates fused into its optax.apply_updates;
+  4096 against 2560 MiB before, at 8 x f32[4096, 4096]) and
+  oa.update_and_apply written back with nnx.update, at optax.MultiSteps's
+  peak in the same nnx.Optimizer."""
   peaks = report["nnx_emit"]
   scalars = 1024
   assert peaks["update_and_apply"] <= peaks["MultiSteps"] + scalars, peaks
-  assert peaks["nnx.Optimizer.update"] > peaks["update_and_apply"], peaks
+  assert peaks["nnx.Optimizer.update"] <= peaks["MultiSteps"] + scalars, (
+      peaks)

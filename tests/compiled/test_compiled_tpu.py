@@ -336,31 +336,28 @@ def test_fsdp_peaks_no_higher_than_its_hand_written_peer(sync, peer):
 
 
 @pytest.mark.parametrize("inner", ["adamw", "muon"])
-def test_update_and_apply_emits_without_a_copy(inner):
-  """SPEC 11 (issue 38, item 3): applied in the emitting branch, a donated
-  micro-step needs no parameter-sized buffer of updates, which the
-  conditional's output costs tx.update + oa.apply_if_updated; it peaks no
-  higher than optax.MultiSteps (which runs the inner every micro-step)."""
+def test_donated_micro_steps_emit_without_a_copy(inner):
+  """SPEC 11 (issue 38, item 3): a donated micro-step peaks no higher than
+  optax.MultiSteps's (which runs the inner every micro-step), applied in the
+  emitting branch (oa.update_and_apply) or by oa.apply_if_updated, which
+  reads the updates that tx.update kept in the running sum's buffer (before
+  that, one parameter-sized buffer more: 3072 against 2624 MiB at 8 x
+  f32[4096, 4096]; 80, 96 and 129 MiB here with adamw)."""
   opt = optax.adamw(1e-3) if inner == "adamw" else optax.contrib.muon(1e-3)
   peaks = {kind: co.emit_peak(co.tpu_devices()[0], kind, opt)
            for kind in co.EMIT_KINDS}
-  param_bytes = 4 * 1024 * 1024 * 4
   assert peaks["update_and_apply"] <= peaks["MultiSteps"], peaks
-  assert peaks["update_and_apply"] < peaks["apply_if_updated"], peaks
-  assert peaks["apply_if_updated"] - peaks["update_and_apply"] >= (
-      param_bytes // 4), peaks
+  assert peaks["apply_if_updated"] <= peaks["MultiSteps"], peaks
 
 
-def test_update_and_apply_in_an_nnx_optimizer_peaks_no_higher_than_multisteps():
-  """SPEC 11 (issue 38, item 3), inside an nnx.Optimizer: written back with
-  nnx.update, the fused form peaks at its arguments (80 MiB here), below
-  optax.MultiSteps in the same nnx.Optimizer (134 MiB) and below
-  nnx.Optimizer.update, which adds the updates tx.update hands back (136
-  MiB; 3072 against 3008 at 8 x f32[4096, 4096], docs/performance.md)."""
+def test_an_nnx_optimizer_micro_step_peaks_no_higher_than_multisteps():
+  """SPEC 11 (issue 38, item 3), inside an nnx.Optimizer: optimizer.update
+  (which adds the updates with optax.apply_updates, the kept ones fused into
+  that add: 96 MiB here, 136 before; 2688 at 8 x f32[4096, 4096], 3072
+  before) and oa.update_and_apply written back with nnx.update (80 MiB),
+  against optax.MultiSteps in the same nnx.Optimizer (134 MiB; 3008)."""
   peaks = {kind: co.nnx_emit_peak(co.tpu_devices()[0], kind,
                                   optax.adamw(1e-3))
            for kind in co.NNX_EMIT_KINDS}
-  param_bytes = 4 * 1024 * 1024 * 4
   assert peaks["update_and_apply"] <= peaks["MultiSteps"], peaks
-  assert peaks["nnx.Optimizer.update"] - peaks["update_and_apply"] >= (
-      param_bytes), peaks
+  assert peaks["nnx.Optimizer.update"] <= peaks["MultiSteps"], peaks

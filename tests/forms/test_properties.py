@@ -150,6 +150,7 @@ _EXAMPLES = (
     (8, 4, (0, 0, 5, 3, 1, 0, 5, 2), 0),
     (8, 8, (0, 0, 0, 0, 0, 0, 4, 0), 1),
     (4, 2, (5, 5, 0, 1), 2),
+    (4, 1, (0, 0, 0, 1), 0),  # k=1: every call emits.
 )
 
 
@@ -177,6 +178,7 @@ def test_value_and_grad_matches_full_batch(case, loss_name):
 @hypothesis.example(case=_EXAMPLES[0], loss_name="mean")
 @hypothesis.example(case=_EXAMPLES[1], loss_name="sum")
 @hypothesis.example(case=_EXAMPLES[2], loss_name="mean")
+@hypothesis.example(case=_EXAMPLES[3], loss_name="sum")
 def test_accumulate_matches_full_batch(case, loss_name):
   _, k, lengths, seed = case
   params, batch = _params(), _batch(lengths, seed)
@@ -201,13 +203,17 @@ def test_accumulate_matches_full_batch(case, loss_name):
   assert float(state.token_count) == 0.0
   helpers.assert_trees_close(updates, expected, rtol=RTOL, atol=ATOL)
   # The reset of the sum is lazy: the next call starts from zero, whatever the
-  # finished cycle left in state.grad_sum.
+  # finished cycle left in state.grad_sum (its sum, or the updates kept there).
   ones = jax.tree.map(jnp.ones_like, params)
-  _, state = update(ones, state, params, num_tokens=jnp.float32(2))
+  updates, state = update(ones, state, params, num_tokens=jnp.float32(2))
   weight = 1.0 if _reduction(loss_name) == "sum" else 2.0
-  helpers.assert_trees_equal(
-      state.grad_sum, jax.tree.map(lambda p: jnp.full_like(p, weight), params)
-  )
+  if k > 1:
+    helpers.assert_trees_equal(
+        state.grad_sum,
+        jax.tree.map(lambda p: jnp.full_like(p, weight), params))
+  else:  # k=1 emits: the identity's update is the mean of this call alone.
+    helpers.assert_trees_equal(
+        updates, jax.tree.map(lambda p: jnp.full_like(p, weight / 2), params))
   assert float(state.token_count) == (2.0 if k > 1 else 0.0)  # k=1 emits.
 
   # The shortcuts a wrong implementation could take differ from the above

@@ -29,6 +29,7 @@ import numpy as np
 import optax
 import pytest
 
+import optax_accum as oa
 from optax_accum._src.mesh import readers
 from optax_accum._src.tools import hlo
 
@@ -165,6 +166,23 @@ def assert_trees_equal(actual, expected):
   ):
     assert leaf.dtype == expected_leaf.dtype, (leaf.dtype, expected_leaf.dtype)
     np.testing.assert_array_equal(np.asarray(leaf), np.asarray(expected_leaf))
+
+
+def settled(tree):
+  """``tree`` with the running sum of each ``AccumulateState`` that just
+  emitted (``micro_step == 0``) zeroed: the next call discards it, and
+  ``tx.update`` leaves its updates there (``accumulate/update_slot.py``)
+  where ``oa.update_and_apply`` leaves the finished sum."""
+  is_state = lambda x: isinstance(x, oa.AccumulateState)
+
+  def settle(node):
+    if not is_state(node):
+      return node
+    return node._replace(grad_sum=jax.tree.map(
+        lambda s: jnp.where(node.micro_step == 0, jnp.zeros_like(s), s),
+        node.grad_sum))
+
+  return jax.tree.map(settle, tree, is_leaf=is_state)
 
 
 # Examples.

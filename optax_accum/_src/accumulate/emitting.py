@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_accum._src import conditional_loops
+from optax_accum._src.accumulate import update_slot
 from optax_accum._src.accumulate import window_args
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import readers
@@ -36,14 +37,12 @@ def per_compiler(branched: Callable[[], Any], looped: Callable[[], Any]) -> Any:
   """``looped()`` on GPUs, ``branched()`` on TPU and CPU, by the platform
   the program is lowered for (``lax.platform_dependent``).
 
-  For ``oa.update_and_apply``'s choice of running the inner optimizer: on a
-  TPU the loop peaked higher at small sizes (148 against 80 MiB, adamw, 16
-  MiB of parameters), on the CPU it is the same. ``tx.update`` and
-  ``oa.apply_if_updated`` stay conditionals everywhere: as loops on GPUs
-  they peaked lower with the gradients passed in (adamw 3072 against 4096
-  MiB, Muon 3648 against 4160: benchmark o) but higher in a train step that
-  computes them (9729 against 9281 MiB per H100 at 1B: benchmark k), and on
-  the CPU ran a k = 8 adamw cycle 1.7x slower.
+  For ``oa.update_and_apply``'s choice of running the inner optimizer, and
+  for ``tx.update``'s where it keeps its updates in the sum's buffer
+  (``update_slot``; ``oa.apply_if_updated`` then reads them the same way):
+  on a TPU the loop peaked higher at small sizes (148 against 80 MiB, adamw,
+  16 MiB of parameters), on the CPU it ran a k = 8 adamw cycle 1.7x slower.
+  On a GPU a conditional copies what it passes through.
   """
   return lax.platform_dependent(tpu=branched, cpu=branched, default=looped)
 
@@ -83,6 +82,9 @@ class Emitter(NamedTuple):
   # Whether the updates are applied to params (update_and_apply): then both
   # branches hand back the parameters, as they are when no update is made.
   apply: bool = False
+  # Whether the updates are kept in the running sum's buffer (update_slot):
+  # then both branches hand back that buffer, the sum where none is made.
+  slot: bool = False
 
   def with_params(self, params) -> "Emitter":
     """The same emitter on ``params`` (a loop's carry, updated in place)."""
@@ -96,14 +98,18 @@ class Emitter(NamedTuple):
         **window_args.for_inner(self.extra_args, value_sums, mean)
     )
     updates = self.finish(updates, self.like_grads)
+    if self.slot:
+      updates = update_slot.into(updates, grad_sum)
     if self.apply:  # each leaf in its parameter's dtype, as it was.
       updates = optax.apply_updates(self.params, updates)
     return updates, optax.tree.cast_like(new_state, inner_state)
 
   def skip_inner(self, grad_sum, token_count, value_sums, inner_state):
-    del grad_sum, token_count, value_sums
+    del token_count, value_sums
     if self.apply:
       return self.params, inner_state
+    if self.slot:
+      return grad_sum, inner_state
     return zeros_typed_like(self.like_updates), inner_state
 
   def choose(self, updated, operands, inner_state):
@@ -114,6 +120,13 @@ class Emitter(NamedTuple):
     """
 
     def looped():
+      if self.slot:  # the sum in the carry, read and written in place.
+        def body(carry, *reads):
+          return self.run_inner(carry[0], *reads, carry[1])
+
+        return conditional_loops.run_if(
+            updated, body, (operands[0], inner_state), *operands[1:])
+
       def body(carry, *reads):
         return self.with_params(carry[0]).run_inner(*reads, carry[1])
 
@@ -124,7 +137,7 @@ class Emitter(NamedTuple):
       return lax.cond(updated, self.run_inner, self.skip_inner, *operands,
                       inner_state)
 
-    if not self.apply:
+    if not (self.apply or self.slot):
       return branched()
     return per_compiler(branched, looped)
 

@@ -117,7 +117,8 @@ def add_to_sum(grad_sum, updates, contribution, cycle_start, rules):
   """The running sum after this micro-step, with the lazy reset.
 
   The call that starts a cycle (``micro_step == 0``) adds to zeros instead of
-  to the stored sum, which still holds the finished cycle's. Zeroing the sum
+  to the stored sum, which still holds the finished cycle's (or the updates
+  that ``tx.update`` kept in its buffer: ``update_slot``). Zeroing the sum
   in the emitting branch instead would make it an output of the
   ``lax.cond``, which XLA cannot write in place: every accumulator (and, on
   CPU, inner-state) buffer would then be copied on every micro-step. This way

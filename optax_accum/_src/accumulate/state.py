@@ -33,8 +33,10 @@ class AccumulateState(NamedTuple):
     grad_sum: the current cycle's running sum of token-weighted gradients,
       shaped like the parameters, in ``accumulator_dtype``; per device. The
       reset is lazy: right after an emit (``micro_step == 0``) it still holds
-      the finished cycle's sum, which the next call discards instead of
-      adding to (see ``microstep.add_to_sum`` for why). A leaf that
+      the finished cycle's sum, or, after ``tx.update`` without a data axis,
+      the updates it handed back (kept there rather than in a buffer of
+      their own), which the next call discards instead of adding to (see
+      ``microstep.add_to_sum`` for why). A leaf that
       ``grad_reduction`` reduces by "max" holds the running maximum (from
       ``-inf``), one by "last" the last kept gradient.
     token_count: the current cycle's running token count, float32; per

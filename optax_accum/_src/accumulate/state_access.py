@@ -19,8 +19,11 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
+from optax_accum._src import conditional_loops
 from optax_accum._src import validation
+from optax_accum._src.accumulate import emitting
 from optax_accum._src.accumulate import state as state_lib
+from optax_accum._src.accumulate import update_slot
 from optax_accum._src.rules import noise_scale
 
 
@@ -247,9 +250,11 @@ def apply_if_updated(
   that of ``optax.apply_updates(params, updates)`` whenever the call emitted
   (each leaf in its parameter's dtype), and ``params`` itself otherwise.
 
-  The zero updates themselves are still written by ``tx.update`` (they are
-  outputs of its conditional); in a train step that computes its gradients,
-  XLA writes them into the gradients' dead buffer.
+  Given the very updates and state of one :func:`optax_accum.accumulate`
+  call without a data axis, it reads the updates from the running sum's
+  buffer, where that call kept them, in its emitting branch alone (on GPUs a
+  loop of at most one trip, whose carry XLA keeps in place): the micro-step
+  then needs no parameter-sized buffer of updates (``docs/performance.md``).
 
   ``flax.nnx.Optimizer.update`` applies its updates itself, with
   ``optax.apply_updates``. To skip that pass, call the transformation
@@ -301,9 +306,20 @@ def apply_if_updated(
     Array([-1., -1.], dtype=float32)
   """
   _check_like_params(params, updates)
-  updated = has_updated(state)
+  found = update_slot.find(updates, first_state(state, "state").grad_sum)
+  if found is None:
+    return lax.cond(has_updated(state), optax.apply_updates, _keep, params,
+                    updates)
+  # The updates are where(updated, slot, 0): the slot is read in the
+  # emitting branch alone (a loop's carry on GPUs, see update_slot).
+  def apply_slot(params, slot):
+    return optax.apply_updates(params, jax.tree.map(
+        lambda s, u: s.astype(u.dtype), slot, updates))
 
-  return lax.cond(updated, optax.apply_updates, _keep, params, updates)
+  return emitting.per_compiler(
+      lambda: lax.cond(found.updated, apply_slot, _keep, params, found.slot),
+      lambda: conditional_loops.run_if(found.updated, apply_slot, params,
+                                       found.slot))
 
 
 def update_and_apply(
@@ -315,10 +331,11 @@ def update_and_apply(
   For :func:`optax_accum.accumulate`, the updates are applied inside its
   emitting branch and ``params`` pass through the other one, so that no
   updates leave the conditional: with the parameters donated to the jitted
-  train step, XLA needs no parameter-sized buffer of updates (``tx.update``
-  with :func:`optax_accum.apply_if_updated` needs one, the conditional's
-  output; ``docs/performance.md``). The choice to emit is a loop of at
-  most one trip (XLA's GPU compiler copies the parameters a conditional
+  train step, XLA needs no parameter-sized buffer of updates (nor does
+  ``tx.update`` with :func:`optax_accum.apply_if_updated` without a data
+  axis, which keeps them in the running sum's buffer; with one, or under
+  ZeRO, it needs one: ``docs/performance.md``). The choice to emit is a loop
+  of at most one trip (XLA's GPU compiler copies the parameters a conditional
   passes through; a loop's carry it updates in place):
   :func:`optax_accum.count_collectives` counts what runs in it as in a
   branch. Differentiated (meta-learning through an update), it is the

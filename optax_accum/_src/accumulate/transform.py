@@ -18,6 +18,7 @@ from optax_accum._src.accumulate import slot_sums
 from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import typed_sums
+from optax_accum._src.accumulate import update_slot
 from optax_accum._src.accumulate import window_args
 from optax_accum._src.accumulate import zero_sums
 from optax_accum._src.mesh import axes
@@ -170,27 +171,54 @@ class _Step(NamedTuple):
         emit, micro_step, _cycle_length(self.every_k, state.count), layout)
     emitter = _emitter(self.inner, layout, step, state.inner_state, params,
                        extra_args, apply)
+    # The updates kept in the sum's buffer (update_slot), where they fit.
+    slot = (not apply and isinstance(layout, sum_layout.SingleSums)
+            and update_slot.fits(emitter.like_updates, step.cycle.grad_sum))
+    emitter = emitter._replace(slot=slot)
 
-    def emit_branch(cycle, inner_state, stats, emitter=emitter):
+    def emit_branch(cycle, emitter, inner_state, stats):
       with jax.named_scope(EMIT_SCOPE):
         return emitter.emit(layout.reduced(cycle, step.leaf_rules),
                             inner_state, stats)
 
-    if apply:  # the parameters in a loop's carry, updated in place.
-      emitted = conditional_loops.run_if(
-          emit, lambda e, cycle: emit_branch(
-              cycle, e.inner_state, e.stats, emitter.with_params(e.updates)),
-          emitter.skip(step.cycle, state.inner_state, state.stats),
-          step.cycle)
-    else:
-      emitted = lax.cond(
-          emit, emit_branch, emitter.skip, step.cycle, state.inner_state,
-          state.stats,
-      )
+    emitted = _choose(emit, emit_branch, emitter, step.cycle, state, apply)
+    updates = emitted.updates
+    if slot:
+      step = step._replace(cycle=step.cycle._replace(grad_sum=updates))
+      updates = update_slot.updates_from(updates, emitter.like_updates,
+                                         emitted.updated)
     new_state = state_lib.next_state(state, micro_step, emit, step, emitted)
     if num_tokens is None:
       self.missing_count.warn()
-    return emitted.updates, new_state
+    return updates, new_state
+
+
+def _choose(emit, emit_branch, emitter, cycle, state, apply):
+  """``emit_branch`` where ``emit``, else ``emitter.skip``.
+
+  A conditional; with ``apply`` a loop of at most one trip, whose carry (the
+  parameters) XLA keeps in place; with the updates kept in the sum's buffer
+  (``emitter.slot``), that buffer in a loop's carry on GPUs, a conditional
+  elsewhere (``emitting.per_compiler``).
+  """
+  def looped(in_carry, reads):
+    return conditional_loops.run_if(
+        emit, lambda e, cycle: emit_branch(
+            *in_carry(e, cycle), e.inner_state, e.stats),
+        emitter.skip(cycle, state.inner_state, state.stats), reads)
+
+  def branched():
+    return lax.cond(emit, lambda c, i, s: emit_branch(c, emitter, i, s),
+                    emitter.skip, cycle, state.inner_state, state.stats)
+
+  if apply:  # the parameters in the carry.
+    return looped(lambda e, cycle: (cycle, emitter.with_params(e.updates)),
+                  cycle)
+  if emitter.slot:  # the sum in the carry alone (as a read too, XLA copies).
+    return emitting.per_compiler(branched, lambda: looped(
+        lambda e, cycle: (cycle._replace(grad_sum=e.updates), emitter),
+        cycle._replace(grad_sum=None)))
+  return branched()
 
 
 def accumulate(
