@@ -84,31 +84,31 @@ class Found(NamedTuple):
   updated: jax.Array  # shape=(), bool.
 
 
-# id of an updates leaf -> weak references to it, its slot leaf and the flag.
+# id of an updates leaf -> weak references to it, its slot leaf and the
+# call's flag (one reference shared by the call's leaves).
 _KEPT: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref]] = {}
 
 
 def _remember(updates, slot, updated):
   for key in [k for k, (u, _, _) in _KEPT.items() if u() is None]:
     del _KEPT[key]
+  flag = weakref.ref(updated)
   for u, s in zip(jax.tree.leaves(updates), jax.tree.leaves(slot)):
-    _KEPT[id(u)] = (weakref.ref(u), weakref.ref(s), weakref.ref(updated))
+    _KEPT[id(u)] = (weakref.ref(u), weakref.ref(s), flag)
 
 
 def find(updates: Any, grad_sum: Any) -> Found | None:
-  """The slot behind ``updates``, if :func:`updates_from` made every leaf
-  and ``grad_sum`` (the state's) is that very slot; else None."""
+  """The slot behind ``updates``, if one :func:`updates_from` call made
+  every leaf and ``grad_sum`` (the state's) is that very slot; else None."""
   u_leaves, treedef = jax.tree.flatten(updates)
   s_leaves = jax.tree.leaves(grad_sum)
   if not u_leaves or len(u_leaves) != len(s_leaves):
     return None
-  flags = set()
-  for u, s in zip(u_leaves, s_leaves):
-    kept = _KEPT.get(id(u))
-    if kept is None or kept[0]() is not u or kept[1]() is not s:
-      return None
-    flags.add(id(kept[2]()))
-    updated = kept[2]()
-  if len(flags) != 1 or updated is None:
+  kept = [_KEPT.get(id(u)) for u in u_leaves]
+  if any(k is None or k[0]() is not u or k[1]() is not s
+         for k, u, s in zip(kept, u_leaves, s_leaves)):
+    return None
+  updated = kept[0][2]()
+  if updated is None or any(k[2] is not kept[0][2] for k in kept):
     return None
   return Found(treedef.unflatten(s_leaves), updated)
