@@ -120,18 +120,17 @@ class Emitter(NamedTuple):
     """
 
     def looped():
-      if self.slot:  # the sum in the carry, read and written in place.
+      init = self.skip_inner(*operands, inner_state)
+      if self.slot:  # the sum in the carry alone, read and written in place.
         def body(carry, *reads):
           return self.run_inner(carry[0], *reads, carry[1])
 
-        return conditional_loops.run_if(
-            updated, body, (operands[0], inner_state), *operands[1:])
+        return conditional_loops.run_if(updated, body, init, *operands[1:])
 
-      def body(carry, *reads):
+      def body(carry, *reads):  # the parameters in the carry.
         return self.with_params(carry[0]).run_inner(*reads, carry[1])
 
-      return conditional_loops.run_if(
-          updated, body, self.skip_inner(*operands, inner_state), *operands)
+      return conditional_loops.run_if(updated, body, init, *operands)
 
     def branched():
       return lax.cond(updated, self.run_inner, self.skip_inner, *operands,

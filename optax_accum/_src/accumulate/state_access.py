@@ -306,9 +306,10 @@ def apply_if_updated(
     Array([-1., -1.], dtype=float32)
   """
   _check_like_params(params, updates)
-  found = update_slot.find(updates, first_state(state, "state").grad_sum)
+  ours = first_state(state, "state")
+  found = update_slot.find(updates, ours.grad_sum)
   if found is None:
-    return lax.cond(has_updated(state), optax.apply_updates, _keep, params,
+    return lax.cond(ours.emitted, optax.apply_updates, _keep, params,
                     updates)
   # The updates are where(updated, slot, 0): the slot is read in the
   # emitting branch alone (a loop's carry on GPUs, see update_slot).
