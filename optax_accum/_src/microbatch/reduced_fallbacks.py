@@ -268,6 +268,12 @@ def report(params: Any, fallback: list[int], data_axes: tuple[str, ...],
 _collected: contextvars.ContextVar[list[Report] | None] = (
     contextvars.ContextVar("optax_accum_sharding_reports", default=None))
 _warned: set[tuple[str, ...]] = set()
+# publish runs only while a loop is traced, and jax.jit's caches skip the
+# trace of a step called (or reported on) before. This context is part of
+# their keys: a new value in each sharding_report makes every jit inside
+# trace again, where jax.clear_caches would drop the step's compiled calls
+# too. Each report leaves one trace per jit in the caches.
+_report_trace = jax.make_user_context(None)
 
 
 def publish(found: Report) -> None:
@@ -307,12 +313,14 @@ def sharding_report(fn: Callable[..., Any], *args: Any,
   every micro-batch. The first trace warns once where that adds more than
   :data:`WARN_ABOVE` (10%) of the gradient's bytes to the call's
   reductions; this traces ``fn`` (never runs it) and returns the report,
-  whatever the cost. :func:`optax_accum.reducible_layers` removes the
-  fallback of Flax's and Equinox's Linear and LayerNorm layers.
+  whatever the cost, also for a step that has already run (its jits trace
+  again, their cached traces for the step's calls kept).
+  :func:`optax_accum.reducible_layers` removes the fallback of Flax's and
+  Equinox's Linear and LayerNorm layers.
 
   Args:
     fn: a function that calls an optax_accum entry point: the function it
-      returns, or a train step around it (jitted or not).
+      returns, or a train step around it (jitted or not, run or not).
     *args: the arguments to trace ``fn`` with (arrays or
       :class:`jax.ShapeDtypeStruct`, carrying their shardings); call this
       under the same :func:`jax.set_mesh` as ``fn``.
@@ -353,10 +361,8 @@ def sharding_report(fn: Callable[..., Any], *args: Any,
     >>> report.reduced_bytes_per_call, f'{report.extra_share:.0%}', report.warns
     (16, '25%', True)
   """
-  target = fn.__wrapped__ if hasattr(fn, "lower") and hasattr(
-      fn, "__wrapped__") else fn
-  with collecting() as reports:
-    jax.eval_shape(target, *args, **kwargs)
+  with _report_trace(object()), collecting() as reports:
+    jax.eval_shape(fn, *args, **kwargs)
   if not reports:
     raise ValueError(
         f"fn={fn!r} traced no typed micro-batch loop: an optax_accum entry"

@@ -96,6 +96,29 @@ def test_a_small_fallback_is_quiet_and_still_reported():
       costly(_params(64), batch)
 
 
+def test_the_report_of_a_step_that_ran_and_a_second_report():
+  """jit's trace cache skipped the loop, and its report: failed before with
+  "traced no typed micro-batch loop" after a call, or after one report."""
+  fn, _ = _step(2)
+  traces = []
+  grad_fn = jax.jit(fn)  # a jit inside the step, met in its cache too.
+
+  @jax.jit
+  def step(params, batch):
+    traces.append(1)
+    return grad_fn(params, batch)
+
+  with jax.set_mesh(_mesh()):
+    batch = jax.device_put(_batch(64), P("data"))
+    step(_params(64), batch)
+    reports = [oa.sharding_report(f, _params(64), batch)
+               for f in (step, step, fn, fn, grad_fn)]
+    assert len(traces) == 3  # the call's and both reports'.
+    step(_params(64), batch)  # the call's trace (and compilation) kept.
+  assert len(traces) == 3
+  assert {r.fallback_leaves for r in reports} == {("params['b']",)}
+
+
 def test_the_report_of_a_deferred_call_counts_every_call():
   fn, _ = _step(1, gradient_sync="deferred")
   with jax.set_mesh(_mesh()):
