@@ -5,6 +5,8 @@ its micro-batch loop and, in an :func:`optax_accum.accumulate` micro-step,
 the emitting branch (:mod:`step_reading`), and checks the two promises of
 gradient accumulation that a bug breaks silently: the loop runs every
 micro-batch, and the gradient is reduced over the data axes once per update.
+What it finds wrong comes with the fix for the step's form: the typed
+form's arguments under ``jax.jit``, the recipe's inside ``shard_map``.
 """
 
 import math
@@ -137,34 +139,77 @@ def _loop_findings(loops: list[Loop], num_microbatches: int) -> list[str]:
   return found
 
 
-def _reduction_findings(reductions: list[Reduction], accumulate_step: bool,
-                        gradient_sync: str, over: str) -> list[str]:
+_DEFERRED = ("take the gradients with oa.value_and_grad(...,"
+             " gradient_sync='deferred'), which leaves them unreduced")
+_DEVICE_LOCAL = ("differentiate with respect to oa.device_local(params,"
+                 " axis_name)")
+_SCATTER_ASKED = ("reduce-scatter on every call: pass"
+                  " gradient_sync='every_microbatch' here too; else")
+_TYPED, _MANUAL = step_reading.TYPED, step_reading.MANUAL
+# The fix for a reduction found where it runs too often, by where (in a
+# micro-step or not), collective, and form: the typed form's arguments are
+# not the shard_map recipe's. None: a form the program does not tell.
+_FIXES = {
+    (True, "all-reduce"): {
+        _TYPED: f"{_DEFERRED} but for the leaves oa.sharding_report"
+                " lists; ZeRO-2 is gradient_sync='every_microbatch' given to"
+                " oa.accumulate (with shard_optimizer), not to"
+                " oa.value_and_grad",
+        _MANUAL: _DEVICE_LOCAL,
+        None: f"under jax.jit with Explicit data axes, {_DEFERRED}; inside"
+              f" jax.shard_map or jax.pmap, {_DEVICE_LOCAL}",
+    },
+    (True, "reduce-scatter"): {
+        _TYPED: "ZeRO-2, gradient_sync='every_microbatch' given to"
+                " oa.accumulate, and parameters sharded over the data axes"
+                f" {_SCATTER_ASKED} {_DEFERRED}",
+        _MANUAL: "parameters sharded over the data axes"
+                 f" {_SCATTER_ASKED} {_DEVICE_LOCAL}",
+        None: "ZeRO-2 and parameters sharded over the data axes"
+              f" {_SCATTER_ASKED} under jax.jit with Explicit data axes,"
+              f" {_DEFERRED}; inside jax.shard_map or jax.pmap,"
+              f" {_DEVICE_LOCAL}",
+    },
+    (False, "all-reduce"): {
+        _TYPED: "oa.sharding_report lists the leaves JAX cannot type"
+                " reduced, reduced in the loop; a loop of jax.grad of your"
+                " own reduces every micro-batch: take the gradient with"
+                " oa.value_and_grad",
+        _MANUAL: "a loop of jax.grad, or loss_fn's own collectives over the"
+                 " data axes, reduce every micro-batch: take the gradient"
+                 " with oa.value_and_grad(..., axis_name=...), which reduces"
+                 " once, after its loop",
+        None: "a loop of jax.grad reduces every micro-batch: take the"
+              " gradient with oa.value_and_grad, which reduces once, after"
+              " its loop",
+    },
+    (False, "reduce-scatter"): dict.fromkeys(
+        (_TYPED, _MANUAL, None),
+        "with gradient_sync='every_microbatch', pass it here too"),
+}
+
+
+def _reduction_findings(step: step_reading.Step, gradient_sync: str,
+                        over: str) -> list[str]:
   """What is reduced where it runs more often than once per update."""
   found = []
   # A micro-step reduces only when it emits; a whole step only after the loop.
-  wrong = ("in_loop", "outside") if accumulate_step else ("in_loop",)
+  wrong = ("in_loop", "outside") if step.accumulate_step else ("in_loop",)
   for collective in step_reading.REDUCTIONS:
     if collective == "reduce-scatter" and gradient_sync != fsdp.ONCE:
       continue  # the FSDP policy's own, once per micro-batch.
-    these = [r for r in reductions
+    these = [r for r in step.reductions
              if r.collective == collective and r.place in wrong]
     if not these:
       continue
     what = (f"{len(these)} {collective}{'s' * (len(these) > 1)} of gradient"
             f" size ({sum(r.nbytes for r in these)} bytes) over {over}")
-    if accumulate_step:
-      found.append(
-          f"{what} outside oa.accumulate's emitting branch: the gradient is"
-          " reduced on every micro-step, not once per update (differentiate"
-          " with respect to oa.device_local(params, axis_name))")
-    else:
-      found.append(
-          f"{what} inside the micro-batch loop: the gradient is reduced"
-          " every micro-batch, not once per update" + (
-              " (with gradient_sync='every_microbatch', pass it here too)"
-              if collective == "reduce-scatter" else
-              " (oa.sharding_report lists the leaves JAX cannot type"
-              " reduced, reduced in the loop)"))
+    where = ("outside oa.accumulate's emitting branch: the gradient is"
+             " reduced on every micro-step" if step.accumulate_step else
+             "inside the micro-batch loop: the gradient is reduced every"
+             " micro-batch")
+    fix = _FIXES[step.accumulate_step, collective][step.form]
+    found.append(f"{what} {where}, not once per update ({fix})")
   return found
 
 
@@ -229,7 +274,9 @@ def check_train_step(
     mesh: the mesh the program was compiled for; by default that of a
       compiled program's arguments. Needed by ``data_axes`` and ``params``.
     gradient_sync: ``"every_microbatch"`` lets reduce-scatters run in the
-      loop, as the FSDP policy of that name does.
+      loop, as the FSDP policy of that name does, or on every call of a
+      micro-step (ZeRO-2: :func:`optax_accum.accumulate`'s
+      ``gradient_sync``; parameters sharded over the data axes).
     params: the parameters (arrays or :class:`jax.ShapeDtypeStruct`, with
       their shardings), to check that the reductions sum each leaf once:
       fewer elements than the gradient's, and some leaf is not reduced; a
@@ -242,7 +289,8 @@ def check_train_step(
     gradient-sized reductions are.
 
   Raises:
-    AssertionError: naming each thing found wrong.
+    AssertionError: naming each thing found wrong, and its fix in the form
+      the step runs in (``jax.jit`` with Explicit axes, or ``shard_map``).
     ValueError, TypeError: for arguments, as those of ``count_collectives``.
 
   Examples:
@@ -277,7 +325,8 @@ def check_train_step(
   if gradient_sync not in fsdp.CHOICES:
     raise ValueError(
         f"gradient_sync must be one of {fsdp.CHOICES}, the value the step's"
-        f" oa.value_and_grad was given, got {gradient_sync!r}.")
+        " oa.value_and_grad (one call per micro-batch: its oa.accumulate)"
+        f" was given, got {gradient_sync!r}.")
   validation.check_mesh(mesh)
   program = step_reading.compiled(program)
   mesh = step_reading.program_mesh(program) if mesh is None else mesh
@@ -295,8 +344,7 @@ def check_train_step(
   findings = (
       ([] if num_microbatches is None
        else _loop_findings(step.loops, num_microbatches))
-      + _reduction_findings(step.reductions, step.accumulate_step,
-                            gradient_sync, over)
+      + _reduction_findings(step, gradient_sync, over)
       + _count_findings(step.reductions, gradient, counted,
                         math.prod(sizes[a] for a in counted), over))
   if findings:

@@ -1,5 +1,7 @@
 """What a compiled train step does, read from its text: its micro-batch
-loops (their trip counts) and where its gradient-sized reductions run.
+loops (their trip counts), where its gradient-sized reductions run, and
+the form it runs in (under ``jax.jit`` with Explicit axes, or inside a
+``shard_map``), which decides the fix for what is wrong.
 
 The walk of the HLO is ``parse_collectives``', on ``hlo_text``'s parser and
 readers (private there), keeping which loops and branches enclose each
@@ -14,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 
 from optax_accum._src.accumulate import transform
+from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import loop as loop_lib
 from optax_accum._src.tools import hlo
 from optax_accum._src.tools import hlo_text
@@ -28,6 +31,11 @@ _INT_CONSTANT = re.compile(r"=\s*[su](?:8|16|32|64)\[\]\S*\s+constant\((\d+)\)")
 _CONDITION = re.compile(r"\bcondition=%?([^\s,)]+)")
 _CALLS = re.compile(r"\bcalls=%?([^\s,)]+)")
 REDUCTIONS = ("all-reduce", "reduce-scatter")
+# The forms a step's fixes differ by (docs/distributed.md): ``jax.jit`` with
+# Explicit data axes, and ``jax.shard_map`` or ``jax.pmap`` (with the auto
+# form, whose loop runs in a shard_map of ours).
+TYPED, MANUAL = "typed", "manual"
+_IN_SHARD_MAP = re.compile(r"(?:^|/)(?:shard_map|pmap\()")
 
 
 class Instruction(NamedTuple):
@@ -189,12 +197,35 @@ def program_mesh(program: Any) -> Any:
   return None
 
 
+def form(instructions, mesh: Any,
+         data_axes: tuple[str, ...] | None) -> str | None:
+  """The step's form: ``MANUAL`` where our loop or emitting branch runs in a
+  shard_map (without either, where anything does), else ``TYPED`` where the
+  data axes are Explicit; None where the program does not tell (no mesh,
+  Auto axes under jit: XLA places the collectives).
+
+  Only what comes before our named scopes counts: the typed form's ZeRO
+  reduce-scatters run in shard_maps of ours, inside the emitting branch.
+  """
+  op_names = [m.group(1) for inst in instructions
+              if (m := _OP_NAME.search(inst.rest))]
+  outer = [name.split(scope)[0] for name in op_names
+           for scope in (loop_lib.LOOP_SCOPE, _EMIT_SCOPE) if scope in name]
+  if any(_IN_SHARD_MAP.search(name) for name in outer or op_names):
+    return MANUAL
+  if mesh is not None and readers.are_explicit(
+      mesh, data_axes or tuple(mesh.axis_names)):
+    return TYPED
+  return None
+
+
 class Step(NamedTuple):
   """What the program text tells: its micro-batch loops and reductions."""
 
   loops: list[Loop]
   accumulate_step: bool  # it has accumulate's emitting branch.
   reductions: list[Reduction]  # gradient-sized, over the data axes.
+  form: str | None = None  # TYPED, MANUAL or None (not told).
 
 
 def read_step(program: Any, mesh: Any, data_axes: tuple[str, ...] | None,
@@ -213,4 +244,5 @@ def read_step(program: Any, mesh: Any, data_axes: tuple[str, ...] | None,
   return Step(
       loops, any(_EMIT_SCOPE in inst.line for inst in instructions),
       reductions(instructions, computations, {loop.name for loop in loops},
-                  emitting, positions, mesh, data_axes))
+                  emitting, positions, mesh, data_axes),
+      form(instructions, mesh, data_axes))

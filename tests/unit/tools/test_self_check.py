@@ -5,11 +5,14 @@ an ``oa.accumulate`` micro-step, ``oa.coupled_value_and_grad``'s two loops);
 the negative controls fail, naming what they do: a scan that reduces the
 gradient in every micro-batch, a loop that runs fewer micro-batches than
 asked, a micro-step that reduces on every call, a gradient never reduced or
-reduced twice. Programs are compiled on 8 simulated devices
-(tests/conftest.py), each once.
+reduced twice. What each finds wrong comes with the fix of the step's form:
+the typed form's arguments under jax.jit, the recipe's inside shard_map,
+both where the program does not tell. Programs are compiled on 8 simulated
+devices (tests/conftest.py), each once.
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -100,8 +103,30 @@ def test_a_scan_that_reduces_in_every_microbatch_fails():
   assert oa.count_collectives(compiled, include_scalars=False).in_loop
   with pytest.raises(AssertionError, match=(
       r"1 all-reduce of gradient size \(40 bytes\) over \('data',\) inside"
-      " the micro-batch loop: the gradient is reduced every micro-batch")):
+      " the micro-batch loop: the gradient is reduced every micro-batch"
+      r".*oa\.value_and_grad\(\.\.\., axis_name=\.\.\.\)")) as raised:
     _check(compiled, num_microbatches=K)
+  assert "sharding_report" not in str(raised.value)  # the typed form's.
+
+
+def test_a_typed_loop_reducing_a_bias_in_every_microbatch_names_the_report():
+  """Under jax.jit with Explicit axes a bias added to batch-sharded
+  activations stays replicated (reduced in the loop, on the CPU): the fix
+  is oa.sharding_report's, not the shard_map recipe's."""
+  def biased(params, x):
+    return jnp.mean(jnp.tanh(x @ params["w"] + params["v"]) ** 2)
+
+  grad_fn = oa.value_and_grad(biased, num_microbatches=K, equal_weights=True)
+  with jax.set_mesh(_mesh(AxisType.Explicit)), warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the fallback's, once per process.
+    compiled = jax.jit(grad_fn).lower(
+        jax.device_put(PARAMS, P()), jax.device_put(BATCH, P("data"))
+        ).compile()
+  with pytest.raises(AssertionError, match=(
+      r"inside the micro-batch loop.*oa\.sharding_report lists the leaves"
+      )) as raised:
+    _check(compiled, num_microbatches=K)
+  assert "axis_name" not in str(raised.value)
 
 
 def test_a_gradient_never_or_twice_reduced_fails():
@@ -156,8 +181,69 @@ def test_an_accumulate_micro_step_reduces_in_its_emitting_branch():
   assert found.reduced_elements == found.gradient_elements
   with pytest.raises(AssertionError, match=(
       r"outside oa\.accumulate's emitting branch: the gradient is reduced on"
-      " every micro-step")):
+      " every micro-step")) as raised:
     _check(_micro_step_program(True), num_microbatches=1)
+  # The shard_map recipe, not the typed form's arguments.
+  assert "oa.device_local(params, axis_name)" in str(raised.value)
+  assert "gradient_sync" not in str(raised.value)
+
+
+ZERO_PARAMS = {"w": jnp.ones((16, 8)), "v": jnp.ones(8)}  # shardable by 8.
+
+
+@functools.cache
+def _typed_micro_step_program(grads_sync: str, accumulate_sync: str):
+  """A ZeRO micro-step under jax.jit with Explicit axes, one call per
+  micro-batch: ``gradient_sync`` given to oa.value_and_grad, then to
+  oa.accumulate."""
+  tx = oa.accumulate(optax.adamw(0.1), every_k=K, shard_optimizer="data",
+                     gradient_sync=accumulate_sync)
+  grad_fn = oa.value_and_grad(_loss, num_microbatches=1, equal_weights=True,
+                              gradient_sync=grads_sync)
+
+  @jax.jit
+  def micro_step(params, state, mb):
+    _, grads = grad_fn(params, mb)
+    updates, state = tx.update(grads, state, params, num_tokens=1.0)
+    return oa.apply_if_updated(params, updates, state), state
+
+  with jax.set_mesh(_mesh(AxisType.Explicit)):
+    params = jax.device_put(ZERO_PARAMS, P())
+    return micro_step.lower(params, jax.jit(tx.init)(params),
+                            jax.device_put(jnp.ones((64, 16)), P("data"))
+                            ).compile()
+
+
+def test_zero2_asked_of_value_and_grad_is_told_the_typed_fix():
+  """gradient_sync='every_microbatch' given to oa.value_and_grad in a ZeRO
+  per-call loop: exact, but the gradient is all-reduced on every call.
+  Failed before: the hint named oa.device_local, the shard_map recipe."""
+  with pytest.raises(AssertionError, match="1 all-reduce") as raised:
+    _check(_typed_micro_step_program("every_microbatch", "once"),
+           num_microbatches=1, gradient_sync="every_microbatch")
+  message = str(raised.value)
+  assert "oa.value_and_grad(..., gradient_sync='deferred')" in message
+  assert ("ZeRO-2 is gradient_sync='every_microbatch' given to"
+          " oa.accumulate (with shard_optimizer), not to oa.value_and_grad"
+          ) in message
+  assert "device_local" not in message and "shard_map" not in message
+
+
+def test_zero2_in_a_per_call_loop_passes_when_asked():
+  """ZeRO-2 as docs/zero.md says: deferred gradients, gradient_sync given
+  to oa.accumulate: a reduce-scatter per leaf on every call, which the
+  check lets run when told, as the typed form's fix says."""
+  compiled = _typed_micro_step_program("deferred", "every_microbatch")
+  found = _check(compiled, num_microbatches=1,
+                 gradient_sync="every_microbatch")
+  assert found.accumulate_step
+  assert found.outside == {"reduce-scatter": 2}
+  with pytest.raises(AssertionError, match=(
+      r"2 reduce-scatters .*ZeRO-2, gradient_sync='every_microbatch' given"
+      r" to oa\.accumulate, .* pass gradient_sync='every_microbatch' here"
+      " too")) as raised:
+    _check(compiled, num_microbatches=1)
+  assert "device_local" not in str(raised.value)
 
 
 def test_fsdp_reduce_scatters_in_the_loop_pass_only_when_asked():
@@ -310,6 +396,40 @@ def test_a_micro_step_reduces_only_in_its_emitting_branch():
   assert in_loop != _MICRO_STEP
   with pytest.raises(AssertionError, match=r"1 all-reduce .* outside oa\."):
     _check(in_loop, num_microbatches=2, mesh=ABSTRACT_MESH)
+
+
+_TYPED_FIX = "oa.value_and_grad(..., gradient_sync='deferred')"
+_MANUAL_FIX = "oa.device_local(params, axis_name)"
+
+
+@pytest.mark.parametrize("op_name, axis_type, named, unnamed", [
+    # Under jax.jit with Explicit axes: the typed form's arguments.
+    ("jit(step)/cond/branch_1_fun/optax_accum_emit/psum", AxisType.Explicit,
+     (_TYPED_FIX,), (_MANUAL_FIX,)),
+    # The same branch inside a shard_map (on an Explicit mesh too): the
+    # recipe's oa.device_local.
+    ("jit(step)/shard_map/cond/branch_1_fun/optax_accum_emit/psum",
+     AxisType.Explicit, (_MANUAL_FIX,), (_TYPED_FIX,)),
+    # Our own shard_map inside the branch (ZeRO's reduce-scatter) is no
+    # user's shard_map.
+    ("jit(step)/cond/branch_1_fun/optax_accum_emit/shard_map/psum",
+     AxisType.Explicit, (_TYPED_FIX,), (_MANUAL_FIX,)),
+    # Auto axes and no shard_map: the program does not tell; both named.
+    ("jit(step)/cond/branch_1_fun/optax_accum_emit/psum", AxisType.Auto,
+     (_TYPED_FIX, _MANUAL_FIX), ()),
+])
+def test_a_micro_steps_fix_is_that_of_its_form(op_name, axis_type, named,
+                                               unnamed):
+  in_loop = _MICRO_STEP.replace(
+      "jit(step)/cond/branch_1_fun/optax_accum_emit/psum", op_name).replace(
+          "  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %x)",
+          "  %g = f32[8]{0} all-reduce(%x), replica_groups={}, to_apply=%add\n"
+          "  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %g)")
+  mesh = jax.sharding.AbstractMesh((N,), ("data",), axis_types=(axis_type,))
+  with pytest.raises(AssertionError, match="outside oa") as raised:
+    _check(in_loop, num_microbatches=2, mesh=mesh)
+  assert all(fix in str(raised.value) for fix in named)
+  assert not any(fix in str(raised.value) for fix in unnamed)
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
