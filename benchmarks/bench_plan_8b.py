@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import optax_accum as oa
-from optax_accum._src.tools import planner
+from optax_accum._src.tools import memory_analysis
 import report
 from zoo import models
 
@@ -148,7 +148,9 @@ def summary_rows(result):
 
 def _flag(measure):
   """What the planner read: its peak, or temp + args (XLA:CPU), flagged."""
-  return "" if measure in (None, planner.PEAK) else f" ({measure})"
+  if measure in (None, memory_analysis.PEAK):
+    return ""
+  return f" ({measure})"
 
 
 def markdown(result):

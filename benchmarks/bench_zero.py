@@ -18,12 +18,12 @@ libtpu; skipped without it and at toy size), nothing run. Five layouts:
   ``data`` (``tm.Config(fsdp="data")``), adamw's state like them.
 
 Per chip: ``memory_analysis().peak_memory_in_bytes`` (read by
-``harness.memory``, which is ``planner.device_memory``), the argument bytes,
-adamw's state bytes (from the shardings of its leaves) and the **bytes on the
-wire per update**. Those are counted from the compiled program's collectives
-(``optax_accum._src.tools.hlo.collectives``, scalars left out) as a ring
-algorithm sends them, per device, with ``n`` the devices of the collective's
-mesh axes and ``b`` the bytes of its result:
+``harness.memory``, which is ``memory_analysis.device_memory``), the
+argument bytes, adamw's state bytes (from the shardings of its leaves) and
+the **bytes on the wire per update**. Those are counted from the compiled
+program's collectives (``optax_accum._src.tools.hlo.collectives``, scalars
+left out) as a ring algorithm sends them, per device, with ``n`` the devices
+of the collective's mesh axes and ``b`` the bytes of its result:
 
 * all-reduce: ``2 (n - 1) / n * b`` (a reduce-scatter and an all-gather);
 * reduce-scatter: ``(n - 1) / n * (n * b)`` (its whole operand is ``n * b``);

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 import optax_accum as oa
-from optax_accum._src.tools import planner
+from optax_accum._src.tools import memory_analysis
 
 MiB = 2**20
 
@@ -141,7 +141,7 @@ def memory(compiled):
   which counts output buffers lent to loop temporaries a second time;
   ``argument_bytes``: what the caller passes in.
   """
-  m = planner.device_memory(compiled)
+  m = memory_analysis.device_memory(compiled)
   return {"peak_bytes": m.memory_bytes, "peak_measure": m.measure,
           "argument_bytes": m.argument_bytes, "output_bytes": m.output_bytes,
           "alias_bytes": m.alias_bytes, "temp_bytes": m.temp_bytes}
@@ -166,7 +166,8 @@ MEMORY_REF = ("Memory: peak, temp and arguments as the report's opening says"
 
 def peak_label(mem, size):
   """``size(mem['peak_bytes'])``, marked ``(temp+args)`` unless a peak."""
-  flag = "" if mem["peak_measure"] == planner.PEAK else " (temp+args)"
+  flag = ("" if mem["peak_measure"] == memory_analysis.PEAK
+          else " (temp+args)")
   return size(mem["peak_bytes"]) + flag
 
 

@@ -1,6 +1,6 @@
 """optax_accum's private modules. Read this code map first.
 
-Five folders, one per family, and three modules that the families share.
+Five folders, one per family, and five modules that the families share.
 Imports run downward only, in this order (``tests/unit/test_layers.py``
 fails on a cycle or an import that runs back up):
 
@@ -11,28 +11,42 @@ fails on a cycle or an import that runs back up):
                               imports the other)
   rules/                      the arithmetic both families share
   mesh/                       reading and moving shardings
-  validation.py               argument checks, and every warning at the
-  caller_warnings.py          caller's line
+  validation.py               argument checks
+  tree_match.py               a prefix spread over a tree, and where two
+                              trees differ, named by path
+  flax_nnx.py                 the mistakes Flax NNX trees allow, named
+                              (flax looked up, never imported)
+  caller_warnings.py          every warning at the caller's line
   conditional_loops.py        conditionals written as while loops (run_if,
                               trips_if), differentiated as lax.cond
 
-**rules/**: the arithmetic both entry points share, with no sharding
-inside. ``token_weighting`` (the one weighting rule, ``num_tokens`` missing),
-``grad_reduction`` (``grad_reduction=``: mean, max or last per leaf),
-``aux_reduction`` (``aux_reduction=`` over micro-batches and devices),
-``noise_scale`` (``GradStats`` and its sums).
+The four modules below ``validation.py`` import nothing of ours.
+
+**rules/**: the arithmetic both entry points share. ``token_weighting``
+(the one weighting rule, ``num_tokens`` missing), ``grad_reduction``
+(``grad_reduction=``: mean, max or last per leaf), ``aux_reduction``
+(``aux_reduction=`` over micro-batches and devices), ``noise_scale``
+(``GradStats`` and its sums). What they do per device goes through
+``mesh/manual``: ``token_weighting`` divides an unreduced sum on each
+device's own blocks (``on_own_partials``, a shard_map), ``grad_reduction``
+keeps a "max" leaf on the axis' first device (``on_first_device``).
 
 **mesh/**: sharding types, read and acted on. ``readers`` holds every
 reader of specs and meshes off types (``full_spec``, ``unreduced_axes``,
 ``axis_sizes``, ...) and imports nothing of ours; ``manual`` is the one
-module that calls ``jax.shard_map`` (``on_own_partials``: a function on
-each device's own blocks, the first-device helpers); ``axes`` the manual
-axes (varying, ``device_local``, their checks); ``collectives`` gathers,
-reduce-scatters and psums by spec, and the deferred forms' add and
-reduction (``add_to_partials``, ``reduce_scatter_unreduced``); ``zero``
-the ZeRO shard of each leaf (``zero_specs``); ``compat`` only the
-retirable JAX and XLA workarounds. Every shim, wherever it lives,
-says what retires it: ``grep -rn "Remove when"``.
+door to ``jax.shard_map``: its ``shard_map`` (entered by
+``microbatch/runner``'s auto form, ``microbatch/typed_noise``'s device rows
+and ``compat``) and ``on_own_partials``, a function on each device's own
+blocks (entered by ``collectives``, ``compat``, ``rules/token_weighting``
+and accumulate's ``microstep``, ``slot_sums`` and ``typed_sums``), beside
+the first-device helpers, which run inside manual axes without entering
+any; ``axes`` the manual axes (varying, ``device_local``, their checks);
+``collectives`` gathers, reduce-scatters and psums by spec, and the
+deferred forms' add and reduction (``add_to_partials``,
+``reduce_scatter_unreduced``); ``zero`` the ZeRO shard of each leaf
+(``zero_specs``); ``compat`` only the retirable JAX and XLA workarounds.
+Every shim, wherever it lives, says what retires it:
+``grep -rn "Remove when"``.
 
 **microbatch/**: one call of :func:`optax_accum.value_and_grad` or
 :func:`optax_accum.coupled_value_and_grad`
@@ -54,13 +68,16 @@ The call reads as stages in order, data passing downward:
    |                      auto      the same, in runner.over_mesh's
    |                                shard_map over the Auto data axes
    |                      typed     typed_layout.TypedLayout, built from
-   |                                one trace (build_typed; the leaves JAX
-   |                                cannot type reduced: reduced_fallbacks,
-   |                                cast_checks; noise rows: typed_noise)
+   |                                one trace (typed_trace.build_typed; the
+   |                                leaves JAX cannot type reduced:
+   |                                reduced_fallbacks, cast_checks; noise
+   |                                rows: typed_noise)
    |                    then the same stages in every form:
    |  hold              layout.hold(params)
    |  local             Program.local(held, inputs, layout) -> Partials
    |                      loop.py            the scan over micro-batches
+   |                        trip_count.py      all k trips, the first
+   |                                           num_real, or borrowing's
    |                        batching.py        split (contiguous, strided)
    |                        borrowing.py       an empty micro-batch runs a
    |                                           kept one's data, zero seed
@@ -74,7 +91,11 @@ The call reads as stages in order, data passing downward:
 
 The loop and gradient caching call only the layout's methods (the
 ``layout.Layout`` Protocol): nothing below ``runner.py`` asks which form it
-is in, and nothing calls back into an entry module.
+is in, and nothing calls back into an entry module. ``reducible_layers``
+(``add_bias``, ``multiply_scale``, ``reducible_layers``) is the typed
+form's too, though the user calls it: it runs inside ``loss_fn`` on every
+micro-batch, a bias add and a scale that JAX types reduced, so that no leaf
+falls back.
 
 **accumulate/**: one call of ``oa.accumulate(...).update``, one micro-batch
 per call:
@@ -117,9 +138,8 @@ per call:
 on ``hlo_text``'s parser of compiled HLO), ``self_check``
 (``check_train_step``: judges what ``step_reading`` reads on the same
 parser, the micro-batch loop's trip count and where the gradient is
-reduced), ``planner``
-(``plan_microbatches``, on ``planner_step``'s step), ``reducible_layers``
-(``add_bias``, ``multiply_scale``, ``reducible_layers``).
+reduced), ``planner`` (``plan_microbatches``, on ``planner_step``'s step
+and ``memory_analysis``'s reading of a compiled program's memory).
 
 The same words name the forms in both families: *single* (no data axis),
 *manual* (data axes made manual: shard_map, pmap), *typed* (Explicit data

@@ -8,13 +8,15 @@ from collections.abc import Callable
 import difflib
 import math
 import numbers
-import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from optax_accum._src import flax_nnx
+from optax_accum._src import tree_match
 
 LOSS_REDUCTIONS = ("mean", "sum")
 INT32_MAX = 2**31 - 1
@@ -152,8 +154,9 @@ def per_leaf_dtypes(accumulator_dtype: Any, params: Any) -> Any:
     return jax.tree.map(lambda _: accumulator_dtype, params)
   if accumulator_dtype is None:
     return jax.tree.map(wider_dtype, params)
-  dtypes = prefix_leaves("accumulator_dtype", accumulator_dtype, params,
-                         "the parameters", is_leaf=_is_dtype_leaf)
+  dtypes = tree_match.prefix_leaves("accumulator_dtype", accumulator_dtype,
+                                    params, "the parameters",
+                                    is_leaf=_is_dtype_leaf)
   return jax.tree.unflatten(
       jax.tree.structure(params),
       [wider_dtype(p) if d is None else d
@@ -197,45 +200,6 @@ def check_mesh(value: Any, name: str = "mesh") -> Any:
   return value
 
 
-_SHORT = 200  # characters: a PyTreeDef longer than this is not shown.
-
-
-def _paths(paths: list) -> str:
-  shown = ", ".join(jax.tree_util.keystr(p) for p in paths[:3])
-  return shown + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-
-
-def first_difference(tree: Any, expected: Any, expected_name: str,
-                     is_leaf=None) -> str:
-  """Where ``tree``'s structure differs from ``expected``'s, in words.
-
-  Names the paths that one has and the other lacks, not two PyTreeDefs:
-  those of a model's state run to thousands of characters.
-  """
-  def paths_of(t):
-    return [p for p, _ in jax.tree_util.tree_flatten_with_path(
-        t, is_leaf=is_leaf)[0]]
-
-  got, want = paths_of(tree), paths_of(expected)
-  got_set, want_set = set(got), set(want)
-  missing = [p for p in want if p not in got_set]
-  extra = [p for p in got if p not in want_set]
-  parts = []
-  if missing:
-    parts.append(f"it lacks {_paths(missing)}")
-  if extra:
-    parts.append(f"it has {_paths(extra)}, not in {expected_name}")
-  if not parts:
-    got_def = str(jax.tree.structure(tree, is_leaf=is_leaf))
-    want_def = str(jax.tree.structure(expected, is_leaf=is_leaf))
-    if len(got_def) + len(want_def) <= _SHORT:
-      return f"expected {want_def}, got {got_def}"
-    return (f"its leaves are at the same paths but its containers differ"
-            f" (a {type(tree).__name__}, expected a"
-            f" {type(expected).__name__})")
-  return "; ".join(parts)
-
-
 def check_same_structure(
     name: str, tree: Any, expected: Any, expected_name: str
 ) -> None:
@@ -243,8 +207,8 @@ def check_same_structure(
   if jax.tree.structure(tree) != jax.tree.structure(expected):
     raise ValueError(
         f"{name} must have the structure of {expected_name}:"
-        f" {first_difference(tree, expected, expected_name)}."
-        + _nnx_structure_hint(name, tree, expected, expected_name)
+        f" {tree_match.first_difference(tree, expected, expected_name)}."
+        + flax_nnx.structure_hint(name, tree, expected, expected_name)
     )
   for path_and_leaf, expected_leaf in zip(
       jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(expected)
@@ -351,59 +315,6 @@ def refuse_near_misses(extra_args: dict[str, Any],
       )
 
 
-def _mismatch(prefix: Any, tree: Any, is_leaf) -> str:
-  """Where ``prefix`` stops being a prefix of ``tree``, in words.
-
-  Its entries that match no leaf of ``tree`` (a misspelt key), and the
-  leaves of ``tree`` that no entry covers (a key left out).
-  """
-  tree_paths = [path for path, _ in
-                jax.tree_util.tree_flatten_with_path(tree)[0]]
-  prefix_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(
-      prefix, is_leaf=is_leaf)[0]]
-  extra = [q for q in prefix_paths
-           if not any(p[:len(q)] == q for p in tree_paths)]
-  missing = [p for p in tree_paths
-             if not any(p[:len(q)] == q for q in prefix_paths)]
-  parts = []
-  if extra:
-    parts.append(f"its entries at {_paths(extra)} match no leaf")
-  if missing:
-    parts.append(f"it has no entry for {_paths(missing)}")
-  return "; ".join(parts)
-
-
-def prefix_leaves(name: str, prefix: Any, tree: Any, tree_name: str,
-                  is_leaf=None) -> list:
-  """The entry of ``prefix`` that covers each leaf of ``tree``, in order.
-
-  ``prefix`` is a pytree prefix of ``tree`` (like :func:`jax.vmap`'s
-  ``in_axes``) whose leaves, None included, each stand for a whole subtree.
-  ``is_leaf`` marks further leaves of ``prefix``.
-  """
-  def prefix_leaf(x):
-    return x is None or (is_leaf is not None and is_leaf(x))
-
-  entries, prefix_def = jax.tree.flatten(prefix, is_leaf=prefix_leaf)
-  try:
-    subtrees = prefix_def.flatten_up_to(tree)
-  except (ValueError, TypeError) as e:
-    structures = (f"got {name} structured as {prefix_def}, {tree_name} as"
-                  f" {jax.tree.structure(tree)}")
-    where = _mismatch(prefix, tree, prefix_leaf)
-    short = structures if len(structures) <= _SHORT else ""
-    detail = "; ".join(x for x in (short, where) if x)
-    raise ValueError(
-        f"{name} must be a single value or a pytree prefix of {tree_name};"
-        f" {detail or structures[:_SHORT] + '...'}."
-    ) from e
-  return [
-      entry
-      for entry, subtree in zip(entries, subtrees)
-      for _ in jax.tree.leaves(subtree)
-  ]
-
-
 def check_param_leaves(params: Any) -> None:
   """``tx.init``'s params must be arrays (or numbers): not a whole module.
 
@@ -423,110 +334,18 @@ def check_param_leaves(params: Any) -> None:
       )
 
 
-def _flax_nnx() -> Any:
-  """``flax.nnx`` if it is loaded, else None.
-
-  Looked up, not imported: where nothing has loaded it, no tree holds its
-  types, and optax_accum does not need flax.
-  """
-  return sys.modules.get("flax.nnx")
-
-
-def _holds_variables(nnx: Any, tree: Any) -> bool:
-  is_variable = lambda x: isinstance(x, nnx.Variable)
-  return any(map(is_variable, jax.tree.leaves(tree, is_leaf=is_variable)))
-
-
-def _nnx_structure_hint(name: str, tree: Any, expected: Any,
-                       expected_name: str) -> str:
-  """Why an NNX ``tree`` differs from ``expected``, and the fix ("" if not).
-
-  ``nnx.Optimizer.update`` hands the transformation
-  ``nnx.as_pure(nnx.state(grads, wrt))``: only the gradients that are
-  Variables of its ``wrt`` filter, so plain arrays
-  (``nnx.as_pure(grads)``) arrive as a State without them.
-  """
-  nnx = _flax_nnx()
-  if nnx is None:
-    return ""
-  has_variables = _holds_variables(nnx, tree)
-  expects_variables = _holds_variables(nnx, expected)
-  if has_variables and not expects_variables:
-    return (
-        f" {name} holds nnx.Variables, {expected_name} plain arrays: pass"
-        f" nnx.as_pure({name}), or build the state from the same kind of"
-        " tree."
-    )
-  if expects_variables and not has_variables:
-    return (
-        f" {name} holds plain arrays, {expected_name} nnx.Variables: build"
-        " the state from plain arrays,"
-        " tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))."
-    )
-  got, want = len(jax.tree.leaves(tree)), len(jax.tree.leaves(expected))
-  if not isinstance(tree, nnx.State) or got >= want:
-    return ""
-  return (
-      f" {name} arrived as an nnx.State with {got} of the {want} expected"
-      " arrays: nnx.Optimizer.update passes on only the gradients that are"
-      " nnx.Variables of its wrt filter (nnx.state(grads, wrt)), so plain"
-      " arrays, such as nnx.as_pure(grads) gives, are dropped before they"
-      " reach the transformation. Pass grads as nnx.grad returned them:"
-      " optimizer.update(model, grads, num_tokens=...)."
-  )
-
-
-def _variable_sharding(variable: Any) -> Any:
-  """The sharding that flax gives an optimizer state built from ``variable``.
-
-  ``nnx.Optimizer`` copies each Variable's metadata onto its state's leaf,
-  ``optimizer_sharding`` in place of ``out_sharding`` where given (older
-  flax: ``sharding_names``, ``sharding``).
-  """
-  metadata = variable.get_metadata()
-  for key in ("optimizer_sharding", "out_sharding", "sharding_names",
-              "sharding"):
-    if metadata.get(key) is not None:
-      return metadata[key]
-  return None
-
-
-def _names_an_axis(sharding: Any) -> bool:
-  spec = getattr(sharding, "spec", sharding)  # a NamedSharding's spec.
-  if isinstance(spec, (tuple, list)):
-    return any(entry is not None for entry in spec)
-  return bool(spec)
-
-
 def check_slots_fit_params(axis_name: Any, params: Any) -> None:
-  """``tx.init``: refuses ``axis_name`` for params of sharded nnx Variables.
+  """:func:`flax_nnx.check_slots_fit_params`, where ``accumulate`` calls it.
 
-  With ``axis_name`` each running sum has a leading slot axis (a partial sum
-  per device). ``nnx.Optimizer`` gives each state leaf built from a Variable
-  that Variable's sharding, which then names the slot axis: flax fails
-  ("Sharding spec ... does not evenly divide"), or shards the slots over the
-  wrong axis when the sizes happen to divide.
+  Remove when ``accumulate/transform.py`` calls ``flax_nnx`` itself.
   """
-  nnx = _flax_nnx()
-  if axis_name is None or nnx is None:
-    return
-  is_variable = lambda x: isinstance(x, nnx.Variable)
-  for path, leaf in jax.tree_util.tree_leaves_with_path(
-      params, is_leaf=is_variable):
-    if not is_variable(leaf):
-      continue
-    sharding = _variable_sharding(leaf)
-    if sharding is None or not _names_an_axis(sharding):
-      continue
-    raise ValueError(
-        f"accumulate(axis_name={axis_name!r}) keeps its running sums with a"
-        " leading slot axis (a partial sum per device), but"
-        f" params{jax.tree_util.keystr(path)} is an nnx.Variable sharded"
-        f" {sharding!r}, and nnx.Optimizer gives the state that sharding,"
-        " which would land on the slot axis. Under jax.jit leave axis_name"
-        " out: oa.accumulate(inner, every_k=...) reads the data axes off the"
-        " gradients' types (unreduced gradients carry their axes), as"
-        " docs/distributed.md says. axis_name is for tx.update inside"
-        " jax.shard_map or jax.pmap, on a state built from plain arrays:"
-        " tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))."
-    )
+  flax_nnx.check_slots_fit_params(axis_name, params)
+
+
+def first_difference(tree: Any, expected: Any, expected_name: str,
+                     is_leaf=None) -> str:
+  """:func:`tree_match.first_difference`, where ``accumulate`` calls it.
+
+  Remove when ``accumulate/state_access.py`` calls ``tree_match`` itself.
+  """
+  return tree_match.first_difference(tree, expected, expected_name, is_leaf)

@@ -2,7 +2,8 @@
 
 A deep, wide MLP on a big batch is compiled, never run, and XLA's memory
 analysis reports the memory it needs per device, read as the planner reads
-it (``planner.device_memory``): ``peak_memory_in_bytes``, each buffer once.
+it (``memory_analysis.device_memory``): ``peak_memory_in_bytes``, each
+buffer once.
 XLA:CPU's peak leaves out the temporaries (jaxlib 0.10.2), so on this
 backend the figure is temp + arguments + outputs - aliased; what a program
 needs beyond its operands (arguments and unaliased outputs) is then its
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import optax_accum as oa
-from optax_accum._src.tools import planner
+from optax_accum._src.tools import memory_analysis
 
 DEPTH, WIDTH, BATCH = 8, 256, 8192  # 8 MiB of activations per layer
 MiB = 2**20
@@ -56,7 +57,7 @@ class _Peak(NamedTuple):
 
 
 def _peak(compiled):
-  m = planner.device_memory(compiled)
+  m = memory_analysis.device_memory(compiled)
   return _Peak(m.memory_bytes, m.memory_bytes - m.argument_bytes
                - m.output_bytes + m.alias_bytes)
 

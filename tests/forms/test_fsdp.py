@@ -299,7 +299,7 @@ def test_param_specs_that_do_not_match_the_params_are_named():
 
 
 # Shards handed to loss_fn (typed form, both policies "every_microbatch"):
-# on TPU and GPU only (typed_layout.hands_shards_on), forced on here to check
+# on TPU and GPU only (typed_trace.hands_shards_on), forced on here to check
 # the arithmetic.
 
 
@@ -328,8 +328,8 @@ _SCATTERED = {"takes shards": 0, "refuses shards": 2, "with_stats": 2,
 
 @pytest.mark.parametrize("case", list(_SCATTERED))
 def test_shards_handed_to_the_loss_are_exact(monkeypatch, case):
-  from optax_accum._src.microbatch import typed_layout  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(typed_layout, "hands_shards_on", lambda platform: True)
+  from optax_accum._src.microbatch import typed_trace  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(typed_trace, "hands_shards_on", lambda platform: True)
   loss = (_whole_weights_loss if case == "refuses shards"
           else _gathering_loss)
   if case == "has_aux":  # stacked aux: weighted after the backward pass.

@@ -20,12 +20,14 @@ SRC = pathlib.Path(optax_accum.__file__).parent / "_src"
 FLOORS = {
     "caller_warnings": 0,
     "conditional_loops": 0,
-    "validation": 0,
-    "mesh": 1,
-    "rules": 2,
-    "microbatch": 3,
-    "accumulate": 3,
-    "tools": 4,
+    "flax_nnx": 0,
+    "tree_match": 0,
+    "validation": 1,
+    "mesh": 2,
+    "rules": 3,
+    "microbatch": 4,
+    "accumulate": 4,
+    "tools": 5,
 }
 
 

@@ -27,7 +27,7 @@ from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._src import validation
+from optax_accum._src import tree_match
 from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import loss_signature
 
@@ -90,7 +90,7 @@ def leaf_axes(batch: Any, batch_axes: Any) -> list[int | None]:
         "batch must contain at least one array, got"
         f" {loss_signature.shown(batch)}, with no leaves. " +
         loss_signature.order_hint(equinox=True))
-  entries = validation.prefix_leaves("batch_axes", batch_axes, batch, "batch")
+  entries = tree_match.prefix_leaves("batch_axes", batch_axes, batch, "batch")
   if all(axis is not None and loss_signature.is_array(leaf)
          and jnp.ndim(leaf) == 0
          for (_, leaf), axis in zip(paths_and_leaves, entries)):

@@ -8,28 +8,26 @@ token-weighting rule of ``token_weighting``; aux is stacked or reduced in the
 carry (``aux_reduction``); the noise-scale sums ride along with
 ``with_stats``. Where parameters are held and gradients summed is the
 call's :class:`layout.Layout`'s business: the loop only calls it. Where
-:mod:`borrowing` applies, each gradient leaves the backward pass weighted
-and the loop is a while loop of k trips (none without tokens).
+:mod:`borrowing` applies, each gradient leaves the backward pass weighted.
+How many trips the loop runs (all k, the first ``num_real_microbatches``,
+or borrowing's) is :mod:`trip_count`'s business.
 """
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-from jax import lax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from optax_accum._src import conditional_loops
 from optax_accum._src import validation
 from optax_accum._src.mesh import axes
-from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import batching
 from optax_accum._src.microbatch import borrowing
 from optax_accum._src.microbatch import empty_safe
 from optax_accum._src.microbatch import layout
 from optax_accum._src.microbatch import loss_signature
 from optax_accum._src.microbatch import rng as rng_lib
+from optax_accum._src.microbatch import trip_count
 from optax_accum._src.rules import aux_reduction as aux_reduction_lib
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import noise_scale
@@ -190,91 +188,6 @@ def _zero_sums(params, opts: Options, plan: AuxPlan | None,
   return lay.device_local(sums)
 
 
-def check_num_real(num_real: Any, num_microbatches: int) -> jax.Array | None:
-  """``num_real_microbatches`` as an int32 scalar in ``[1, k]``, or None.
-
-  A concrete value outside the range raises; a traced one is clamped.
-  """
-  if num_real is None:
-    return None
-  is_int = isinstance(num_real, int) and not isinstance(num_real, bool)
-  is_int_scalar = (hasattr(num_real, "dtype") and jnp.ndim(num_real) == 0
-                   and jnp.issubdtype(num_real.dtype, jnp.integer))
-  if not (is_int or is_int_scalar):
-    raise TypeError(
-        "num_real_microbatches must be an integer scalar, got"
-        f" {num_real!r}."
-    )
-  if not isinstance(num_real, jax.core.Tracer):
-    if not 1 <= int(num_real) <= num_microbatches:
-      raise ValueError(
-          f"num_real_microbatches={int(num_real)} must be in [1,"
-          f" num_microbatches={num_microbatches}]."
-      )
-  return jnp.clip(jnp.asarray(num_real, jnp.int32), 1, num_microbatches)
-
-
-def _run_borrowing(step, init, runs, num_microbatches, num_real):
-  """The loop of :mod:`borrowing`: it runs no micro-batch at all if every
-  count is zero (their zero seeds would meet 0/0); ``runs`` says
-  (``borrowing.plan``: a bad count runs it, to reach the sums).
-
-  It outputs nothing per micro-batch (borrowing applies only where nothing
-  is stacked): the values' dtype and the (leafless) stacked aux are read
-  off the one trace of ``step``.
-  """
-  seen = []
-
-  def body(carry, index):
-    carry, (value, stacked) = step(carry, index)
-    if jax.tree.leaves(stacked):
-      raise AssertionError("borrowing stacks nothing per micro-batch.")
-    seen.append((value.dtype, stacked))
-    return carry
-
-  if num_real is None:
-    carry = conditional_loops.trips_if(runs, body, num_microbatches,
-                                       init)
-  else:  # a traced count: no reverse mode, as _run_microbatches's.
-    carry = conditional_loops.trips(
-        body, jnp.where(runs, 0, num_real), num_real, init)
-  dtype, stacked = seen[-1]
-  return carry, (jax.ShapeDtypeStruct((num_microbatches,), dtype), stacked)
-
-
-def _run_microbatches(step, init, num_microbatches, num_real):
-  """``lax.scan(step, init, arange(k))``, or only the first ``num_real``.
-
-  With ``num_real`` the loop is a ``lax.fori_loop`` with that traced trip
-  count (an XLA while loop: the micro-batches past it are not computed, and
-  another count needs no recompilation); the outputs of the skipped
-  micro-batches are zeros.
-  """
-  indices = jnp.arange(num_microbatches)
-  if num_real is None:
-    return lax.scan(step, init, indices)
-  def zeros(shape):
-    spec = readers.explicit_spec(shape)
-    buffer = jnp.zeros(
-        (num_microbatches,) + shape.shape, shape.dtype,
-        out_sharding=None if spec is None else P(None, *spec))
-    # Under shard_map the outputs may vary over the axis: so must the carry.
-    vma = tuple(sorted(axes.varying_axes(shape)))
-    return lax.pcast(buffer, vma, to="varying") if vma else buffer
-
-  stacked = jax.tree.map(
-      zeros, jax.eval_shape(lambda: step(init, indices[0])[1]))
-
-  def body(index, state):
-    carry, stacked = state
-    carry, out = step(carry, index)
-    return carry, jax.tree.map(
-        lambda buf, x: lax.dynamic_update_index_in_dim(buf, x, index, 0),
-        stacked, out)
-
-  return lax.fori_loop(0, num_real, body, (init, stacked))
-
-
 def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
          lay: layout.Layout):
   """The scan over the loop's micro-batches: ``(sums, loop_out)``.
@@ -317,10 +230,10 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
 
   with jax.named_scope(LOOP_SCOPE):
     if borrow is None:
-      (sums, model_state), (values, stacked) = _run_microbatches(
+      (sums, model_state), (values, stacked) = trip_count.run_microbatches(
           step, init, opts.num_microbatches, inputs.num_real)
     else:
-      (sums, model_state), (values, stacked) = _run_borrowing(
+      (sums, model_state), (values, stacked) = trip_count.run_borrowing(
           step, init, borrow.runs, opts.num_microbatches,
           inputs.num_real)
   sums = sums._replace(grads=lay.after_loop(sums.grads, rules))

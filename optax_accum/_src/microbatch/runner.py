@@ -14,7 +14,7 @@ form, and runs the entry point's stages through it:
 
 The ``auto`` form runs the same stages inside a :func:`jax.shard_map` over
 the Auto data axes (:func:`over_mesh`); the ``typed`` form's layout is built
-from a trace of *local* (:func:`typed_layout.build_typed`).
+from a trace of *local* (:func:`typed_trace.build_typed`).
 """
 
 from typing import Any, NamedTuple
@@ -32,7 +32,7 @@ from optax_accum._src.microbatch import fsdp
 from optax_accum._src.microbatch import layout
 from optax_accum._src.microbatch import loss_signature
 from optax_accum._src.microbatch import manual_layout
-from optax_accum._src.microbatch import typed_layout
+from optax_accum._src.microbatch import typed_trace
 from optax_accum._src.rules import aux_reduction
 
 
@@ -55,7 +55,7 @@ def run(program: layout.Program, settings: Settings, params: Any,
   with forms.entered(form):
     _check(form, settings, inputs)
     if form.kind == forms.TYPED:
-      lay, partials = typed_layout.build_typed(
+      lay, partials = typed_trace.build_typed(
           lambda lay: _local(program, lay, params, inputs), params,
           settings.param_specs, settings.grad_reduction, settings.policy,
           form.axis_name, form.leaf_axes, settings.num_microbatches,

@@ -11,6 +11,7 @@ from optax_accum._src.microbatch import loop as loop_lib
 from optax_accum._src.microbatch import loss_signature
 from optax_accum._src.microbatch import rng as rng_lib
 from optax_accum._src.microbatch import runner
+from optax_accum._src.microbatch import trip_count
 from optax_accum._src.rules import aux_reduction as aux_reduction_lib
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import token_weighting
@@ -167,7 +168,7 @@ def value_and_grad(
         rest, has_state)
     inputs = loss_signature.Inputs(
         model_state, batch, args, kwargs, rng_lib.check_rng(rng),
-        loop_lib.check_num_real(num_real_microbatches, opts.num_microbatches))
+        trip_count.check_num_real(num_real_microbatches, opts.num_microbatches))
     result = runner.run(program, settings, params, inputs)
     result = result._replace(aux=aux_reduction_lib.merge(result.aux))
     value, grads = loss_signature.pack(result, has_aux, has_state)

@@ -1,2 +1,3 @@
 """The arithmetic both entry points share: weights, per-leaf rules, aux and
-noise-scale sums. No sharding inside (see the code map in ``_src``)."""
+noise-scale sums. Per-device steps go through ``mesh/manual`` (see the code
+map in ``_src``)."""

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_accum._src import validation
+from optax_accum._src import tree_match
 from optax_accum._src.mesh import compat
 from optax_accum._src.mesh import readers
 from optax_accum._src.rules import token_weighting
@@ -68,7 +68,7 @@ def is_running(aux_reduction: Any) -> bool:
 
 def aux_rules_per_leaf(aux_reduction: Any, aux: Any) -> list[str]:
   """The reduction of each leaf of ``aux``, in order."""
-  return validation.prefix_leaves("aux_reduction", aux_reduction, aux, "aux")
+  return tree_match.prefix_leaves("aux_reduction", aux_reduction, aux, "aux")
 
 
 def _sum_dtype(dtype: Any, reduction: str, accumulator_dtype: Any) -> Any:

@@ -27,7 +27,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from optax_accum._src import validation
+from optax_accum._src import tree_match
 from optax_accum._src.mesh import manual
 from optax_accum._src.rules import token_weighting
 
@@ -70,7 +70,7 @@ def rules_per_leaf(grad_reduction: Any, tree: Any) -> list[str] | None:
   """The rule of each leaf of ``tree``, in order; None if all are "mean"."""
   if grad_reduction is None:
     return None
-  rules = validation.prefix_leaves("grad_reduction", grad_reduction, tree,
+  rules = tree_match.prefix_leaves("grad_reduction", grad_reduction, tree,
                                    "the gradient")
   return None if all(rule == MEAN for rule in rules) else rules
 

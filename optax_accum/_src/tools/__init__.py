@@ -1,2 +1,2 @@
-"""Opt-in tools off every hot path: the collective counter, the planner and
-the reducible layers (see the code map in ``_src``)."""
+"""Opt-in tools off every hot path: the collective counter, the train-step
+check and the planner (see the code map in ``_src``)."""

@@ -3,7 +3,8 @@
 Finding the number of micro-batches by trial and error costs an out-of-memory
 crash and a recompilation per try. XLA knows, once a step is compiled and
 before it runs, how much memory each device needs:
-``compiled.memory_analysis().peak_memory_in_bytes`` (:func:`device_memory`).
+``compiled.memory_analysis().peak_memory_in_bytes``
+(:func:`memory_analysis.device_memory`).
 :func:`plan_microbatches` compiles candidate steps ahead of time, reads their
 memory and their collectives, and returns the smallest number of
 micro-batches that fits a per-device budget, with the FSDP policy
@@ -24,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from optax_accum._src import validation
 from optax_accum._src.microbatch import fsdp
 from optax_accum._src.tools import hlo
+from optax_accum._src.tools import memory_analysis
 from optax_accum._src.tools import planner_step
 
 _PLANNED = ("num_microbatches", "gradient_sync", "gather_params")
@@ -38,74 +40,6 @@ _GROUPS = (
 )
 _CACHE_SIZE = 256
 _cache: dict[Any, "_Measured"] = {}
-# How a program's memory per device was read: its peak, or (a backend that
-# counts no temporaries in its peak) temp + arguments + outputs - aliased.
-PEAK, TEMP_AND_ARGS = "peak", "temp+args"
-
-
-class DeviceMemory(NamedTuple):
-  """A compiled program's memory per device, from XLA's buffer assignment.
-
-  ``peak_memory_in_bytes`` counts each buffer once, arguments and outputs
-  included: the ruler. ``temp_size_in_bytes`` is the program's scratch
-  allocation; it counts again the output buffers that XLA lends to loop
-  temporaries (on TPU, hundreds of MiB in a micro-batch loop), so it is no
-  ruler between programs. ``argument_size_in_bytes``: what the caller passes
-  (parameters, optimizer state, batch), held for the whole call.
-  """
-
-  memory_bytes: int  # the peak, or temp + args + outputs - aliased.
-  measure: str  # PEAK, or TEMP_AND_ARGS where the backend gives no peak.
-  temp_bytes: int
-  argument_bytes: int
-  output_bytes: int
-  alias_bytes: int
-
-
-def _platform(compiled: Any) -> str:
-  """The platform a program was compiled for (compile-only devices too)."""
-  for sharding in jax.tree.leaves((compiled.input_shardings,
-                                   compiled.output_shardings)):
-    devices = getattr(sharding, "device_set", None)
-    if devices:
-      return next(iter(devices)).platform
-  return jax.default_backend()
-
-
-def _peak_counts_temporaries(memory: Any, platform: str) -> bool:
-  """Whether ``memory.peak_memory_in_bytes`` is the program's peak.
-
-  XLA's TPU and GPU compilers compute it from the buffer assignment, every
-  buffer counted once. XLA:CPU's (jaxlib 0.10.2) is the arguments and
-  outputs and a few bytes, leaving out the temporaries: below arguments +
-  temp, which a program holds together at its temporaries' peak. Older
-  jaxlibs lack the field. Remove the CPU case when XLA:CPU computes its peak
-  from the buffer assignment too.
-  """
-  peak = getattr(memory, "peak_memory_in_bytes", None)
-  if not peak:
-    return False
-  return not (platform == "cpu" and peak < memory.argument_size_in_bytes
-              + memory.temp_size_in_bytes)
-
-
-def device_memory(compiled: Any) -> DeviceMemory | None:
-  """``compiled``'s memory per device; None if its backend reports none.
-
-  The peak (``memory_analysis().peak_memory_in_bytes``), or where the
-  backend does not count temporaries in it, temp + arguments + outputs -
-  aliased, an upper bound (``measure`` says which).
-  """
-  memory = compiled.memory_analysis()
-  if memory is None:
-    return None
-  parts = (int(memory.temp_size_in_bytes), int(memory.argument_size_in_bytes),
-           int(memory.output_size_in_bytes), int(memory.alias_size_in_bytes))
-  if _peak_counts_temporaries(memory, _platform(compiled)):
-    return DeviceMemory(int(memory.peak_memory_in_bytes), PEAK, *parts)
-  temp, arguments, outputs, aliased = parts
-  return DeviceMemory(temp + arguments + outputs - aliased, TEMP_AND_ARGS,
-                      *parts)
 
 
 class _Measured(NamedTuple):
@@ -158,8 +92,9 @@ class Table(tuple):
       outside = c.collectives_per_update - c.num_microbatches * in_loop
       rows.append((
           str(c.num_microbatches), c.gradient_sync, c.gather_params,
-          _mib(c.memory_bytes) + ("" if c.memory_measure == PEAK
-                                  else f" ({c.memory_measure})"),
+          _mib(c.memory_bytes) + (
+              "" if c.memory_measure == memory_analysis.PEAK
+              else f" ({c.memory_measure})"),
           f"{c.collectives_per_update} = {outside} + {c.num_microbatches}"
           f" x {in_loop}",
           "yes" if c.fits else "no",
@@ -201,7 +136,8 @@ class Plan(NamedTuple):
   memory_bytes: int  # the chosen step's peak, per device.
   collectives_per_update: int  # the chosen step's.
   table: Table
-  memory_measure: str = PEAK  # or TEMP_AND_ARGS: how memory_bytes was read.
+  # memory_analysis.PEAK, or TEMP_AND_ARGS: how memory_bytes was read.
+  memory_measure: str = memory_analysis.PEAK
 
 
 def _hashable(value: Any) -> Any:
@@ -224,22 +160,6 @@ def _signature(tree: Any) -> Any:
   )
 
 
-def _refused_for_memory(error: Exception) -> bool:
-  """Whether the compiler refused a program for want of device memory.
-
-  XLA's TPU compiler refuses a program whose buffers exceed the chip's HBM
-  (``RESOURCE_EXHAUSTED: ... HLO temporaries (33.81G) exceeds available HBM
-  (15.75G)``). Read from the error's status code, which jaxlib >= 0.10 gives
-  as ``error_code_string``; with older jaxlibs the error is not read (it
-  propagates, with a note). Remove when jaxlib >= 0.10 is the minimum
-  (``pyproject.toml``): :func:`_measure` then tests
-  ``e.error_code_string == "RESOURCE_EXHAUSTED"`` itself.
-  """
-  return (isinstance(error, jax.errors.JaxRuntimeError)
-          and getattr(error, "error_code_string", None)
-          == "RESOURCE_EXHAUSTED")
-
-
 def _measure(fn: Callable[..., Any], step: planner_step.Step) -> _Measured:
   """Compiles the step around ``fn`` ahead of time and measures it."""
   if step.wrap is not None:
@@ -248,18 +168,18 @@ def _measure(fn: Callable[..., Any], step: planner_step.Step) -> _Measured:
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
-    if _refused_for_memory(e):
+    if memory_analysis.refused_for_memory(e):
       return _Measured(None, None, None)
     e.add_note("plan_microbatches: compiling this candidate failed; a"
                " compiler refusal for want of memory (RESOURCE_EXHAUSTED)"
                " would have counted as 'does not fit'.")
     raise
-  memory = device_memory(compiled)
+  memory = memory_analysis.device_memory(compiled)
   if memory is None:
     raise RuntimeError(
-        f"The {_platform(compiled)} backend does not report memory"
-        " (compiled.memory_analysis() is None): plan_microbatches cannot"
-        " plan on it."
+        f"The {memory_analysis.compiled_platform(compiled)} backend does not"
+        " report memory (compiled.memory_analysis() is None):"
+        " plan_microbatches cannot plan on it."
     )
   return _Measured(memory_bytes=memory.memory_bytes,
                    collectives=hlo.count_collectives(compiled),

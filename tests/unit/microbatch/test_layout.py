@@ -36,7 +36,8 @@ def test_the_stages_never_ask_which_form_they_are_in():
   """Below the runner, nothing names a layout class or a form."""
   from optax_accum._src.microbatch import coupled  # pylint: disable=g-import-not-at-top
   from optax_accum._src.microbatch import loop  # pylint: disable=g-import-not-at-top
-  for module in (loop, coupled):
+  from optax_accum._src.microbatch import trip_count  # pylint: disable=g-import-not-at-top
+  for module in (loop, coupled, trip_count):
     source = inspect.getsource(module)
     for word in ("ManualLayout", "TypedLayout", "SingleLayout",
                  "manual_layout", "typed_layout", "forms.", "lay is None",

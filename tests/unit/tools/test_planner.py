@@ -9,8 +9,6 @@ plan again without compiling anything. Memory is the peak
 it (XLA:CPU), temp + arguments + outputs - aliased, flagged.
 """
 
-import types
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -19,6 +17,7 @@ import pytest
 
 import helpers
 import optax_accum as oa
+from optax_accum._src.tools import memory_analysis
 from optax_accum._src.tools import planner
 
 N = 8  # simulated devices (tests/conftest.py).
@@ -56,7 +55,7 @@ def _brute_force_measure(k, gradient_sync, gather_params):
                          gather_params=gather_params, equal_weights=True)
   with jax.set_mesh(mesh):
     compiled = jax.jit(fn).lower(*_inputs(mesh)).compile()
-  memory = planner.device_memory(compiled)
+  memory = memory_analysis.device_memory(compiled)
   counts = oa.count_collectives(compiled)
   return (
       memory.memory_bytes,
@@ -132,39 +131,6 @@ def test_planner_picks_what_brute_force_picks_at_three_budgets(
     _plan(smallest - 1)
 
 
-def _memory_stats(peak, temp, arguments=100, outputs=10, aliased=0):
-  return types.SimpleNamespace(
-      peak_memory_in_bytes=peak, temp_size_in_bytes=temp,
-      argument_size_in_bytes=arguments, output_size_in_bytes=outputs,
-      alias_size_in_bytes=aliased)
-
-
-def test_memory_is_the_peak_where_the_backend_counts_temporaries_in_it():
-  # XLA's TPU and GPU compilers: the peak, each buffer once (below temp +
-  # arguments where XLA lends output buffers to loop temporaries).
-  assert planner._peak_counts_temporaries(_memory_stats(150, 80), "tpu")
-  assert planner._peak_counts_temporaries(_memory_stats(150, 80), "gpu")
-  # XLA:CPU (jaxlib 0.10.2): arguments and outputs, no temporaries.
-  assert not planner._peak_counts_temporaries(_memory_stats(118, 80), "cpu")
-  assert planner._peak_counts_temporaries(_memory_stats(110, 0), "cpu")
-  # An older jaxlib without the field, or a backend that reports 0.
-  assert not planner._peak_counts_temporaries(
-      types.SimpleNamespace(temp_size_in_bytes=80), "tpu")
-  assert not planner._peak_counts_temporaries(_memory_stats(0, 80), "tpu")
-
-  # Compiled here (XLA:CPU): the fallback, flagged, and its parts.
-  mesh = _mesh()
-  with jax.set_mesh(mesh):
-    fn = oa.value_and_grad(_loss, num_microbatches=2, axis_name="data",
-                           equal_weights=True)
-    memory = planner.device_memory(
-        jax.jit(fn).lower(*_inputs(mesh)).compile())
-  assert memory.temp_bytes > 0
-  assert memory.measure == planner.TEMP_AND_ARGS
-  assert memory.memory_bytes == (memory.temp_bytes + memory.argument_bytes
-                                 + memory.output_bytes - memory.alias_bytes)
-
-
 def test_plan_runs_and_its_table_prints_aligned(measured):
   budget = min(m for (k, *_), (m, _) in measured.items() if k == 2)
   plan = _plan(budget)
@@ -177,8 +143,8 @@ def test_plan_runs_and_its_table_prints_aligned(measured):
     assert line.index(row.gradient_sync, 3) == column, lines
     assert line.endswith("yes" if row.fits else "no")
     # A memory read as temp + args (XLA:CPU here) says so.
-    assert (f"({planner.TEMP_AND_ARGS})" in line) == (
-        row.memory_measure == planner.TEMP_AND_ARGS), line
+    assert (f"({memory_analysis.TEMP_AND_ARGS})" in line) == (
+        row.memory_measure == memory_analysis.TEMP_AND_ARGS), line
   chosen, = (row for row in plan.table if row[:3] == plan[:3])
   assert plan.memory_measure == chosen.memory_measure
   # The plan's step is an ordinary oa.value_and_grad: it compiles and runs.

@@ -1,4 +1,4 @@
-"""``validation``'s checks of Flax NNX trees: mistakes named, with the fix.
+"""``flax_nnx``: the mistakes Flax NNX trees allow, named, with the fix.
 
 - ``nnx.Optimizer.update(model, nnx.as_pure(grads))`` said the gradients
   lack ``['bias'], ['kernel']`` although they hold them (flax's ``wrt``
@@ -8,7 +8,12 @@
   is partitioned 4 times ...``), or, where the sizes divide, sharded the
   state's slot axis over "model"; now ``tx.init`` refuses it, naming
   ``axis_name``.
+
+Where flax is not loaded, nothing is checked (optax_accum does not need it).
 """
+
+import sys
+import types
 
 from flax import nnx
 import jax
@@ -19,6 +24,7 @@ import optax
 import pytest
 
 import optax_accum as oa
+from optax_accum._src import flax_nnx
 
 
 def _loss(model, batch):
@@ -145,3 +151,70 @@ def test_axis_name_stays_accepted_for_unsharded_variables_and_arrays():
   with jax.set_mesh(_mesh(2, 4)):
     model = _sharded_linear(nnx.Rngs(0))
     tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))
+
+
+def _sharded_params():
+  with jax.set_mesh(_mesh(2, 4)):
+    return nnx.state(_sharded_linear(nnx.Rngs(0)), nnx.Param)
+
+
+def test_without_flax_loaded_there_is_no_hint_and_no_check(monkeypatch):
+  """Looked up, not imported: with flax.nnx unloaded, nothing is said."""
+  params = _sharded_params()
+  fewer = nnx.State({"bias": params["bias"]})
+  assert "wrt filter" in flax_nnx.structure_hint("updates", fewer, params,
+                                                 "params")
+  with pytest.raises(ValueError, match="axis_name"):
+    flax_nnx.check_slots_fit_params("data", params)
+  monkeypatch.delitem(sys.modules, "flax.nnx")
+  assert flax_nnx.structure_hint("updates", fewer, params, "params") == ""
+  flax_nnx.check_slots_fit_params("data", params)  # no error.
+
+
+def test_plain_trees_of_the_same_kind_get_no_hint():
+  tree, expected = {"w": jnp.ones(2)}, {"w": jnp.ones(2), "b": jnp.ones(())}
+  assert flax_nnx.structure_hint("updates", tree, expected, "params") == ""
+  # A State with all the expected arrays: not what the wrt filter does.
+  state = nnx.State({"w": jnp.ones(2), "b": jnp.ones(()), "c": jnp.ones(())})
+  assert flax_nnx.structure_hint("updates", state, expected, "params") == ""
+
+
+@pytest.mark.parametrize("sharding, names", [
+    (("model",), True), ((None, "model"), True), ([None, None], False),
+    ((), False), (P("model"), True), (P(), False), (P(None, "model"), True),
+])
+def test_a_sharding_names_an_axis_where_an_entry_is_not_none(sharding, names):
+  assert flax_nnx._names_an_axis(sharding) is names
+
+
+@pytest.mark.xfail(strict=True, reason="a PartitionSpec is no tuple in this"
+                   " jax: P(None) is read by its truth value, which is True")
+def test_a_partition_spec_of_nones_names_no_axis():
+  assert not flax_nnx._names_an_axis(P(None, None))
+
+
+def test_a_named_sharding_is_read_through_its_spec():
+  mesh = _mesh(2, 4)
+  assert flax_nnx._names_an_axis(jax.NamedSharding(mesh, P(None, "model")))
+  assert not flax_nnx._names_an_axis(jax.NamedSharding(mesh, P()))
+
+
+def _variable(**metadata):
+  return types.SimpleNamespace(get_metadata=lambda: metadata)
+
+
+def test_the_state_gets_optimizer_sharding_before_the_variables_own():
+  """As nnx.Optimizer copies it; older flax: sharding_names, sharding."""
+  assert flax_nnx._variable_sharding(_variable(
+      out_sharding=("model",), optimizer_sharding=(None,))) == (None,)
+  assert flax_nnx._variable_sharding(_variable(
+      out_sharding=("model",), optimizer_sharding=None)) == ("model",)
+  assert flax_nnx._variable_sharding(_variable(
+      sharding_names=("model",))) == ("model",)
+  assert flax_nnx._variable_sharding(_variable(sharding=("data",))) == (
+      "data",)
+  assert flax_nnx._variable_sharding(_variable(other=1)) is None
+
+
+def test_without_axis_name_sharded_variables_are_accepted():
+  flax_nnx.check_slots_fit_params(None, _sharded_params())

@@ -1,0 +1,128 @@
+"""What we know of Flax NNX's trees: two mistakes they allow, named.
+
+optax_accum does not need flax, so nothing here imports it: ``flax.nnx`` is
+looked up among the loaded modules, and where nothing has loaded it no tree
+holds its types and every check here passes. The mistakes:
+
+* gradients that ``nnx.Optimizer.update`` drops before they reach the
+  transformation (plain arrays fail its ``wrt`` filter), or a tree of
+  Variables against a state of plain arrays (:func:`structure_hint`, which
+  ``validation.check_same_structure`` adds to its message);
+* ``accumulate(axis_name=...)`` on parameters of sharded Variables, whose
+  sharding ``nnx.Optimizer`` would give the state's slot axis
+  (:func:`check_slots_fit_params`, at ``tx.init``).
+"""
+
+import sys
+from typing import Any
+
+import jax
+
+
+def _loaded_nnx() -> Any:
+  """``flax.nnx`` if it is loaded, else None.
+
+  Looked up, not imported: where nothing has loaded it, no tree holds its
+  types, and optax_accum does not need flax.
+  """
+  return sys.modules.get("flax.nnx")
+
+
+def _holds_variables(nnx: Any, tree: Any) -> bool:
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  return any(map(is_variable, jax.tree.leaves(tree, is_leaf=is_variable)))
+
+
+def structure_hint(name: str, tree: Any, expected: Any,
+                   expected_name: str) -> str:
+  """Why an NNX ``tree`` differs from ``expected``, and the fix ("" if not).
+
+  ``nnx.Optimizer.update`` hands the transformation
+  ``nnx.as_pure(nnx.state(grads, wrt))``: only the gradients that are
+  Variables of its ``wrt`` filter, so plain arrays
+  (``nnx.as_pure(grads)``) arrive as a State without them.
+  """
+  nnx = _loaded_nnx()
+  if nnx is None:
+    return ""
+  has_variables = _holds_variables(nnx, tree)
+  expects_variables = _holds_variables(nnx, expected)
+  if has_variables and not expects_variables:
+    return (
+        f" {name} holds nnx.Variables, {expected_name} plain arrays: pass"
+        f" nnx.as_pure({name}), or build the state from the same kind of"
+        " tree."
+    )
+  if expects_variables and not has_variables:
+    return (
+        f" {name} holds plain arrays, {expected_name} nnx.Variables: build"
+        " the state from plain arrays,"
+        " tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))."
+    )
+  got, want = len(jax.tree.leaves(tree)), len(jax.tree.leaves(expected))
+  if not isinstance(tree, nnx.State) or got >= want:
+    return ""
+  return (
+      f" {name} arrived as an nnx.State with {got} of the {want} expected"
+      " arrays: nnx.Optimizer.update passes on only the gradients that are"
+      " nnx.Variables of its wrt filter (nnx.state(grads, wrt)), so plain"
+      " arrays, such as nnx.as_pure(grads) gives, are dropped before they"
+      " reach the transformation. Pass grads as nnx.grad returned them:"
+      " optimizer.update(model, grads, num_tokens=...)."
+  )
+
+
+def _variable_sharding(variable: Any) -> Any:
+  """The sharding that flax gives an optimizer state built from ``variable``.
+
+  ``nnx.Optimizer`` copies each Variable's metadata onto its state's leaf,
+  ``optimizer_sharding`` in place of ``out_sharding`` where given (older
+  flax: ``sharding_names``, ``sharding``).
+  """
+  metadata = variable.get_metadata()
+  for key in ("optimizer_sharding", "out_sharding", "sharding_names",
+              "sharding"):
+    if metadata.get(key) is not None:
+      return metadata[key]
+  return None
+
+
+def _names_an_axis(sharding: Any) -> bool:
+  spec = getattr(sharding, "spec", sharding)  # a NamedSharding's spec.
+  if isinstance(spec, (tuple, list)):
+    return any(entry is not None for entry in spec)
+  return bool(spec)
+
+
+def check_slots_fit_params(axis_name: Any, params: Any) -> None:
+  """``tx.init``: refuses ``axis_name`` for params of sharded nnx Variables.
+
+  With ``axis_name`` each running sum has a leading slot axis (a partial sum
+  per device). ``nnx.Optimizer`` gives each state leaf built from a Variable
+  that Variable's sharding, which then names the slot axis: flax fails
+  ("Sharding spec ... does not evenly divide"), or shards the slots over the
+  wrong axis when the sizes happen to divide.
+  """
+  nnx = _loaded_nnx()
+  if axis_name is None or nnx is None:
+    return
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(
+      params, is_leaf=is_variable):
+    if not is_variable(leaf):
+      continue
+    sharding = _variable_sharding(leaf)
+    if sharding is None or not _names_an_axis(sharding):
+      continue
+    raise ValueError(
+        f"accumulate(axis_name={axis_name!r}) keeps its running sums with a"
+        " leading slot axis (a partial sum per device), but"
+        f" params{jax.tree_util.keystr(path)} is an nnx.Variable sharded"
+        f" {sharding!r}, and nnx.Optimizer gives the state that sharding,"
+        " which would land on the slot axis. Under jax.jit leave axis_name"
+        " out: oa.accumulate(inner, every_k=...) reads the data axes off the"
+        " gradients' types (unreduced gradients carry their axes), as"
+        " docs/distributed.md says. axis_name is for tx.update inside"
+        " jax.shard_map or jax.pmap, on a state built from plain arrays:"
+        " tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))."
+    )
