@@ -48,6 +48,7 @@ BENCHMARKS = (
     "bench_nnx_deferred",    # m. the deferred loop in an nnx.Optimizer
     "bench_zero",            # n. ZeRO-1 / ZeRO-2 vs data parallel and FSDP
     "bench_emit",            # o. the emitting micro-step, compiled
+    "bench_first_step",      # p. trace + lower + compile of a micro-step
 )
 RESULTS_DIR = os.path.join(_HERE, "results")
 

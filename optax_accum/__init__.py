@@ -1,5 +1,11 @@
 """optax_accum: exact gradient accumulation for JAX and optax."""
 
+from optax_accum._src.accumulate.applying import (
+    apply_if_updated as apply_if_updated,
+)
+from optax_accum._src.accumulate.applying import (
+    update_and_apply as update_and_apply,
+)
 from optax_accum._src.accumulate.partition_specs import (
     reduced_state as reduced_state,
 )
@@ -8,18 +14,15 @@ from optax_accum._src.accumulate.partition_specs import (
 )
 from optax_accum._src.accumulate.state import AccumulateState as AccumulateState
 from optax_accum._src.accumulate.state_access import (
-    apply_if_updated as apply_if_updated,
-)
-from optax_accum._src.accumulate.state_access import (
     find_accumulate_state as find_accumulate_state,
 )
 from optax_accum._src.accumulate.state_access import grad_stats as grad_stats
 from optax_accum._src.accumulate.state_access import has_updated as has_updated
 from optax_accum._src.accumulate.state_access import tokens_seen as tokens_seen
-from optax_accum._src.accumulate.state_access import (
-    update_and_apply as update_and_apply,
-)
 from optax_accum._src.accumulate.transform import accumulate as accumulate
+from optax_accum._src.accumulate.transform import (
+    AccumulateTransformation as AccumulateTransformation,
+)
 from optax_accum._src.mesh.axes import device_local as device_local
 from optax_accum._src.mesh.zero import zero_specs as zero_specs
 from optax_accum._src.microbatch.coupled import (
@@ -31,6 +34,13 @@ from optax_accum._src.microbatch.reduced_fallbacks import (
 from optax_accum._src.microbatch.reduced_fallbacks import (
     sharding_report as sharding_report,
 )
+from optax_accum._src.microbatch.reducible_layers import add_bias as add_bias
+from optax_accum._src.microbatch.reducible_layers import (
+    multiply_scale as multiply_scale,
+)
+from optax_accum._src.microbatch.reducible_layers import (
+    reducible_layers as reducible_layers,
+)
 from optax_accum._src.microbatch.value_and_grad import (
     value_and_grad as value_and_grad,
 )
@@ -41,13 +51,6 @@ from optax_accum._src.tools.planner import Plan as Plan
 from optax_accum._src.tools.planner import (
     plan_microbatches as plan_microbatches,
 )
-from optax_accum._src.tools.reducible_layers import add_bias as add_bias
-from optax_accum._src.tools.reducible_layers import (
-    multiply_scale as multiply_scale,
-)
-from optax_accum._src.tools.reducible_layers import (
-    reducible_layers as reducible_layers,
-)
 from optax_accum._src.tools.self_check import (
     check_train_step as check_train_step,
 )
@@ -57,6 +60,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AccumulateState",
+    "AccumulateTransformation",
     "CollectiveCounts",
     "GradStats",
     "Plan",

@@ -97,42 +97,43 @@ form's too, though the user calls it: it runs inside ``loss_fn`` on every
 micro-batch, a bias add and a scale that JAX types reduced, so that no leaf
 falls back.
 
-**accumulate/**: one call of ``oa.accumulate(...).update``, one micro-batch
-per call:
+**accumulate/**: one call of ``oa.accumulate(...).update`` (or of its
+``update_and_apply``), one micro-batch per call, as stages in order:
 
 .. code-block:: text
 
-  transform.py          the factory; init(): placement.py refuses a
-   |                    wrapper that would skip our update (apply_if_finite
-   |                    outside); update(): detect_sum_layout, once
-   |                    (single, manual, typed or slots) -> a
-   |                    sum_layout.SumLayout, each form's class beside its
-   |                    own logic:
-   |                      single    sum_layout.SingleSums
-   |                      manual    manual_sums.ManualSums (shard_map, pmap)
+  transform.py          the factory (an AccumulateTransformation: init,
+   |                    update, update_and_apply); init(): placement.py
+   |                    refuses a wrapper that would skip our update;
+   |                    sum_layout_of(): the form, once (the one place it
+   |                    is decided) -> a sum_layout.SumLayout:
+   |                      single    local_sums.SingleSums
+   |                      manual    local_sums.ManualSums (shard_map, pmap)
    |                      typed     typed_sums.TypedSums (unreduced
    |                                gradients under jit, sums unreduced)
    |                      slots     slot_sums.SlotSums (a slot per device
    |                                under jit)
    |                      ZeRO      zero_sums.ZeroSums (shard_optimizer:
-   |                                inner on shards, updates gathered)
-   |  add               layout.add: microstep.py (the checks of incoming
-   |                    gradients, the drops, the lazy-reset add;
-   |                    add_on_device for the two deferred forms), and
-   |                    window_args.py (the extra args' value summed over
-   |                    the window)
-   |  emit or skip      lax.cond: layout.reduced (the one reduction per
-   |                    update), then emitting.Emitter (inner on the mean,
-   |                    with window_args.for_inner's value and grad); with
-   |                    update_and_apply, conditional_loops.run_if (a loop of
-   |                    at most one trip: parameters updated in place)
-  state.py              AccumulateState, its start and next value; a field
-                        it lacks is read from the inner state
+   |                                inner on shards, around the typed or
+   |                                single form's add)
+   |  add               layout.add(Incoming): microstep.py (the checks,
+   |                    the drops, the lazy-reset add; add_on_device for
+   |                    the deferred forms) and window_args.py (the extra
+   |                    args over the window)
+   |  emit or skip      emit.py: output_for picks the emit.Output (Updates,
+   |                    UpdatesInSum, Applied); decide(): one choose() for
+   |                    emit, layout.reduced (the one reduction per update),
+   |                    one choose() for a cycle with tokens, Emitter.run
+   |                    (inner on the mean, traced once)
+  state.py              AccumulateState, its start and next value
 
+``sum_layout.py`` holds the Protocol and the tuples that cross module lines
+(``UpdateSettings``, ``Incoming``, ``Cycle``, ``MicroStep``).
 ``state_access.py`` reads a state (``find_accumulate_state``,
-``has_updated``, ``grad_stats``, ``tokens_seen``) and applies its updates
-(``apply_if_updated``); ``partition_specs.py`` gives a state's specs and
-``reduced_state`` (to save one).
+``has_updated``, ``grad_stats``, ``tokens_seen``); ``applying.py`` applies
+its updates (``apply_if_updated``, ``update_and_apply``);
+``partition_specs.py`` gives a state's specs and ``reduced_state`` (to save
+one). Nothing below ``transform.sum_layout_of`` asks which form it is in.
 
 **tools/**: opt-in, off every hot path. ``hlo`` (``count_collectives``,
 on ``hlo_text``'s parser of compiled HLO), ``self_check``

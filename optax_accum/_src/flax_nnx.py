@@ -1,4 +1,5 @@
-"""What we know of Flax NNX's trees: two mistakes they allow, named.
+"""What we know of Flax NNX's trees: their Variables, and two mistakes they
+allow, named.
 
 optax_accum does not need flax, so nothing here imports it: ``flax.nnx`` is
 looked up among the loaded modules, and where nothing has loaded it no tree
@@ -11,6 +12,8 @@ holds its types and every check here passes. The mistakes:
 * ``accumulate(axis_name=...)`` on parameters of sharded Variables, whose
   sharding ``nnx.Optimizer`` would give the state's slot axis
   (:func:`check_slots_fit_params`, at ``tx.init``).
+
+And :func:`unwrap_variables`: an ``nnx.Optimizer``'s state read as arrays.
 """
 
 import sys
@@ -126,3 +129,24 @@ def check_slots_fit_params(axis_name: Any, params: Any) -> None:
         " jax.shard_map or jax.pmap, on a state built from plain arrays:"
         " tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))."
     )
+
+
+def _variable_type() -> type | None:
+  """Flax NNX's ``Variable`` class if flax is loaded, without importing it."""
+  variablelib = sys.modules.get("flax.nnx.variablelib")
+  return getattr(variablelib, "Variable", None)
+
+
+def unwrap_variables(tree: Any) -> Any:
+  """``tree`` with NNX ``Variable`` leaves replaced by the arrays they hold.
+
+  ``nnx.Optimizer`` keeps its ``opt_state`` as a pytree whose array leaves
+  are wrapped in ``OptState`` variables; readers of our state expect arrays.
+  ``tree`` itself where flax is not loaded.
+  """
+  variable_type = _variable_type()
+  if variable_type is None:
+    return tree
+  is_variable = lambda x: isinstance(x, variable_type)
+  return jax.tree.map(lambda x: x.get_value() if is_variable(x) else x, tree,
+                      is_leaf=is_variable)

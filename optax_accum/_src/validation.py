@@ -332,20 +332,3 @@ def check_param_leaves(params: Any) -> None:
           " (the arrays to train); the static part stays out of the"
           " optimizer."
       )
-
-
-def check_slots_fit_params(axis_name: Any, params: Any) -> None:
-  """:func:`flax_nnx.check_slots_fit_params`, where ``accumulate`` calls it.
-
-  Remove when ``accumulate/transform.py`` calls ``flax_nnx`` itself.
-  """
-  flax_nnx.check_slots_fit_params(axis_name, params)
-
-
-def first_difference(tree: Any, expected: Any, expected_name: str,
-                     is_leaf=None) -> str:
-  """:func:`tree_match.first_difference`, where ``accumulate`` calls it.
-
-  Remove when ``accumulate/state_access.py`` calls ``tree_match`` itself.
-  """
-  return tree_match.first_difference(tree, expected, expected_name, is_leaf)

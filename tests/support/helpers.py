@@ -170,9 +170,10 @@ def assert_trees_equal(actual, expected):
 
 def settled(tree):
   """``tree`` with the running sum of each ``AccumulateState`` that just
-  emitted (``micro_step == 0``) zeroed: the next call discards it, and
-  ``tx.update`` leaves its updates there (``accumulate/update_slot.py``)
-  where ``oa.update_and_apply`` leaves the finished sum."""
+  emitted (``micro_step == 0``) zeroed: the next call discards it (its
+  scratch is not part of the contract: ``tx.update`` leaves its updates
+  there, ``emit.UpdatesInSum``, where ``oa.update_and_apply`` leaves the
+  finished sum)."""
   is_state = lambda x: isinstance(x, oa.AccumulateState)
 
   def settle(node):

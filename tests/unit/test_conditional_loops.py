@@ -17,7 +17,6 @@ import pytest
 
 import optax_accum as oa
 from optax_accum._src import conditional_loops
-from optax_accum._src.accumulate import emitting
 
 
 def _double_plus(x, y):
@@ -118,12 +117,12 @@ def _trajectory(inner):
 def test_the_gpu_programs_loop_gives_the_cpu_programs_result(
     monkeypatch, inner):
   """On GPUs update_and_apply runs the inner optimizer in a loop where TPU
-  and CPU programs use a conditional (emitting.per_compiler): forced
+  and CPU programs use a conditional (conditional_loops.per_compiler): forced
   here on the CPU, the same trajectory, bit for bit."""
   opt = optax.adam(0.1) if inner == "adam" else optax.contrib.muon(0.1)
   branched = _trajectory(opt)
   calls = []
-  monkeypatch.setattr(emitting, "per_compiler",
+  monkeypatch.setattr(conditional_loops, "per_compiler",
                       lambda branched, looped: calls.append(1) or looped())
   looped = _trajectory(opt)
   assert calls  # the loop was taken.

@@ -5,12 +5,11 @@ gradients checked against the state (:func:`checked_grads`), the drop
 decisions (``skip_nonfinite``, ``should_skip``), the token-weighted
 contribution, and the lazy-reset add to the running sum. The forms differ
 only in where the sum lives (one array, a device's slot, an unreduced array:
-:mod:`sum_layout`, :mod:`manual_sums`, :mod:`typed_sums`, :mod:`slot_sums`)
+:mod:`local_sums`, :mod:`typed_sums`, :mod:`slot_sums`, :mod:`zero_sums`)
 and so in how the add is run; the two deferred forms run theirs on each
 device's own partials with :func:`add_on_device`.
 """
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_accum._src import validation
-from optax_accum._src.accumulate import emitting
+from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import window_args
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import manual
@@ -26,27 +25,6 @@ from optax_accum._src.mesh import readers
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import noise_scale
 from optax_accum._src.rules import token_weighting
-
-
-class UpdateSettings(NamedTuple):
-  """The settings a micro-step is added under (fixed at construction)."""
-
-  loss_reduction: str
-  axis_name: readers.AxisName | None
-  skip_nonfinite: bool
-  should_skip: Callable[[Any, Any, Any], Any] | None
-  grad_reduction: Any  # the checked grad_reduction: a prefix of the grads.
-  with_stats: bool
-
-
-class MicroStep(NamedTuple):
-  """A micro-step added to the running sums, before the emit decision."""
-
-  grads: Any  # the incoming gradients, checked and floating.
-  leaf_rules: list[str] | None  # each leaf's rule; None: all "mean".
-  cycle: emitting.Cycle
-  nonfinite_count: jax.Array  # like state.nonfinite_count.
-  skipped_count: jax.Array  # like state.skipped_count.
 
 
 class DeviceAdd(NamedTuple):
@@ -101,7 +79,8 @@ def skipped_on_partials(should_skip, updates, state, params):
     raise
 
 
-def drops(updates, tokens, state, params, settings: UpdateSettings) -> Drops:
+def drops(updates, tokens, state, params,
+          settings: sum_layout.UpdateSettings) -> Drops:
   """Whether ``skip_nonfinite`` and ``should_skip`` drop this micro-step."""
   nonfinite = jnp.bool_(False)
   if settings.skip_nonfinite:
@@ -118,7 +97,7 @@ def add_to_sum(grad_sum, updates, contribution, cycle_start, rules):
 
   The call that starts a cycle (``micro_step == 0``) adds to zeros instead of
   to the stored sum, which still holds the finished cycle's (or the updates
-  that ``tx.update`` kept in its buffer: ``update_slot``). Zeroing the sum
+  that ``tx.update`` kept in its buffer: ``emit.UpdatesInSum``). Zeroing the sum
   in the emitting branch instead would make it an output of the
   ``lax.cond``, which XLA cannot write in place: every accumulator (and, on
   CPU, inner-state) buffer would then be copied on every micro-step. This way
@@ -135,14 +114,14 @@ def kept_weight(c: token_weighting.Contribution) -> jax.Array:
 
 
 def cycle_after(state, grads, contribution, loss_reduction,
-                rules, value) -> emitting.Cycle:
+                rules, value) -> sum_layout.Cycle:
   """The running sums with this micro-step (and its ``value``) added."""
   stats_sums = state.stats_sums
   if stats_sums is not None:
     stats_sums = noise_scale.add_sq_norms(
         stats_sums, grad_reduction_lib.only_means(grads, rules), contribution,
         loss_reduction)
-  return emitting.Cycle(
+  return sum_layout.Cycle(
       grad_sum=add_to_sum(
           state.grad_sum, grads, contribution, state.micro_step == 0, rules
       ),
@@ -154,21 +133,21 @@ def cycle_after(state, grads, contribution, loss_reduction,
   )
 
 
-def add_local(updates, state, params, tokens,
-              settings: UpdateSettings, value) -> MicroStep:
+def add_local(updates, state, params, incoming: sum_layout.Incoming,
+              settings: sum_layout.UpdateSettings) -> sum_layout.MicroStep:
   """Adds checked gradients that this device holds whole (or device-local)."""
-  dropped = drops(updates, tokens, state, params, settings)
+  dropped = drops(updates, incoming.tokens, state, params, settings)
   contribution = token_weighting.contribution(
-      tokens, settings.loss_reduction,
+      incoming.tokens, settings.loss_reduction,
       drop=dropped.nonfinite | dropped.skipped
   )
   leaf_rules = grad_reduction_lib.rules_per_leaf(settings.grad_reduction,
                                                  updates)
-  return MicroStep(
+  return sum_layout.MicroStep(
       grads=updates,
       leaf_rules=leaf_rules,
       cycle=cycle_after(state, updates, contribution,
-                        settings.loss_reduction, leaf_rules, value),
+                        settings.loss_reduction, leaf_rules, incoming.value),
       nonfinite_count=increment_where(dropped.nonfinite,
                                       state.nonfinite_count),
       skipped_count=increment_where(dropped.skipped, state.skipped_count),
@@ -187,7 +166,7 @@ _STATS_UNREDUCED = (
 
 def add_on_device(grads: list[Any], sums: list[Any], tokens: jax.Array,
                   skip: jax.Array, cycle_start: jax.Array,
-                  settings: UpdateSettings,
+                  settings: sum_layout.UpdateSettings,
                   over: readers.AxisName) -> DeviceAdd:
   """Adds a device's partial gradients to its partial sums (the deferred
   forms' add, inside :func:`manual.on_own_partials`).
@@ -266,7 +245,8 @@ def as_inexact(grads: Any, grad_sum: Any) -> Any:
   return jax.tree_util.tree_map_with_path(convert, grads, grad_sum)
 
 
-def check_partials_settings(updates, settings: UpdateSettings) -> None:
+def check_partials_settings(updates,
+                            settings: sum_layout.UpdateSettings) -> None:
   """What unreduced gradients under jit cannot do, refused by name."""
   if settings.with_stats:
     raise ValueError(_STATS_UNREDUCED)

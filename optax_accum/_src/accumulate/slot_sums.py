@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._src.accumulate import emitting
 from optax_accum._src.accumulate import microstep
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import window_args
@@ -133,8 +132,8 @@ def sum_slots(slots: Any) -> Any:
 
 
 def add_to_slots(updates: Any, state: Any, params: Any, tokens: jax.Array,
-                 settings: microstep.UpdateSettings,
-                 value: jax.Array | None) -> microstep.MicroStep:
+                 settings: sum_layout.UpdateSettings,
+                 value: jax.Array | None) -> sum_layout.MicroStep:
   """Adds a micro-step's unreduced gradients to the slots (no communication).
 
   Each device adds its own partial, weighted by the global ``tokens``, to
@@ -169,10 +168,10 @@ def add_to_slots(updates: Any, state: Any, params: Any, tokens: jax.Array,
       jax.tree.map(readers.full_spec, sums),
   )
   grad_sum, token_count, nonfinite_count, skipped_count, value_sums = sums
-  return microstep.MicroStep(
+  return sum_layout.MicroStep(
       grads=updates,
       leaf_rules=None,  # all "mean": check_partials_settings refuses others.
-      cycle=emitting.Cycle(grad_sum, token_count, None, value_sums),
+      cycle=sum_layout.Cycle(grad_sum, token_count, None, value_sums),
       nonfinite_count=nonfinite_count,
       skipped_count=skipped_count,
   )
@@ -182,29 +181,26 @@ class SlotSums(NamedTuple):
   """Under jit, a state laid out with ``axis_name``: a slot per device."""
 
   axis_name: readers.AxisName
+  local: bool = False
 
-  def add(self, updates, state, params, num_tokens, tokens, settings, value):
-    microstep.check_partials_settings(updates, settings)
-    updates = microstep.checked_grads(updates, state.grad_sum, None,
-                                      slot_axis=True)
-    check_unreduced_over_slots(updates, state.grad_sum, self.axis_name,
+  def add(self, incoming: sum_layout.Incoming, state, params, settings):
+    microstep.check_partials_settings(incoming.grads, settings)
+    grads = microstep.checked_grads(incoming.grads, state.grad_sum, None,
+                                    slot_axis=True)
+    check_unreduced_over_slots(grads, state.grad_sum, self.axis_name,
                                looked_at=not microstep.has_no_tokens(
-                                   num_tokens))
-    return add_to_slots(updates, state, params, tokens, settings, value)
+                                   incoming.num_tokens))
+    return add_to_slots(grads, state, params, incoming.tokens, settings,
+                        incoming.value)
 
   def reduced(self, cycle, rules):
     del rules
-    return emitting.Cycle(
+    return sum_layout.Cycle(
         grad_sum=jax.tree.map(sum_slots, cycle.grad_sum),
         token_count=jnp.sum(cycle.token_count),
         stats_sums=None,
         value_sums=jax.tree.map(jnp.sum, cycle.value_sums),
     )
 
-  def summed_like(self, grads):
-    return readers.summed_like(grads)
-
   def check_emit(self, emit):
     del emit
-
-  finish_updates = staticmethod(sum_layout.as_computed)

@@ -4,22 +4,53 @@ Every field is an array (or a NamedTuple of arrays), so that the state
 checkpoints, shards and crosses ``jax.jit`` as any optax state does.
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
+import weakref
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optax_accum._src import validation
-from optax_accum._src.accumulate import emitting
-from optax_accum._src.accumulate import manual_sums
+from optax_accum._src.accumulate import local_sums
 from optax_accum._src.accumulate import microstep
 from optax_accum._src.accumulate import slot_sums
+from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import window_args
 from optax_accum._src.rules import noise_scale
 
 
-class AccumulateState(NamedTuple):
+class _Fields(NamedTuple):
+  """The fields of :class:`AccumulateState` (its docstring says each)."""
+
+  micro_step: jax.Array  # shape=(), dtype=jnp.int32.
+  count: jax.Array  # shape=(), dtype=jnp.int32.
+  grad_sum: optax.Updates  # like params, dtype=accumulator_dtype.
+  token_count: jax.Array  # shape=() or (slots,), dtype=jnp.float32.
+  inner_state: optax.OptState
+  emitted: jax.Array  # shape=(), dtype=jnp.bool_.
+  nonfinite_count: jax.Array  # shape=() or (slots,), dtype=jnp.int32.
+  skipped_count: jax.Array  # shape=() or (slots,), dtype=jnp.int32.
+  stats_sums: noise_scale.StatsSums | None  # float32 scalars or (slots,).
+  stats: noise_scale.GradStats | None  # float32 scalars.
+  tokens_seen: jax.Array  # shape=(), dtype=jnp.float32.
+  tokens_seen_error: jax.Array  # shape=(), dtype=jnp.float32.
+  value_sums: window_args.ValueSums  # scalars or (slots,).
+
+
+# What other trainers call our fields (a port reads theirs first).
+_OTHER_NAMES = {
+    "gradient_step": "micro_step", "mini_step": "micro_step",
+    "acc_grads": "grad_sum", "accumulated_grads": "grad_sum",
+    "grad_acc": "grad_sum", "grads_acc": "grad_sum",
+    "inner_opt_state": "inner_state", "opt_state": "inner_state",
+    "num_tokens": "token_count", "tokens": "token_count",
+    "skip_state": "nonfinite_count", "last_finite": "emitted",
+    "step": "count",
+}
+
+
+class AccumulateState(_Fields):
   """State of :func:`accumulate`: the running sums and the wrapped state.
 
   With ``axis_name``, the fields marked *per device* hold each device's own
@@ -31,12 +62,13 @@ class AccumulateState(NamedTuple):
     micro_step: micro-steps taken in the current cycle; 0 right after an emit.
     count: optimizer updates emitted so far (cycles that had tokens).
     grad_sum: the current cycle's running sum of token-weighted gradients,
-      shaped like the parameters, in ``accumulator_dtype``; per device. The
-      reset is lazy: right after an emit (``micro_step == 0``) it still holds
-      the finished cycle's sum, or, after ``tx.update`` without a data axis,
-      the updates it handed back (kept there rather than in a buffer of
-      their own), which the next call discards instead of adding to (see
-      ``microstep.add_to_sum`` for why). A leaf that
+      shaped like the parameters, in ``accumulator_dtype``; per device.
+      Right after an emitting call (``micro_step == 0``) it holds no sum:
+      its buffer is scratch that the next call overwrites instead of adding
+      to (the reset is lazy: see ``microstep.add_to_sum`` for why). What
+      the scratch holds is not part of the contract (today the finished
+      cycle's sum, or the updates ``tx.update`` handed back, kept in that
+      buffer rather than in one of their own). A leaf that
       ``grad_reduction`` reduces by "max" holds the running maximum (from
       ``-inf``), one by "last" the last kept gradient.
     token_count: the current cycle's running token count, float32; per
@@ -65,21 +97,14 @@ class AccumulateState(NamedTuple):
     value_sums: the current cycle's running sums behind the ``value`` that
       ``inner`` gets on emit (its token-weighted mean over the window; see
       ``update``'s extra arguments); per device.
-  """
 
-  micro_step: jax.Array  # shape=(), dtype=jnp.int32.
-  count: jax.Array  # shape=(), dtype=jnp.int32.
-  grad_sum: optax.Updates  # like params, dtype=accumulator_dtype.
-  token_count: jax.Array  # shape=() or (slots,), dtype=jnp.float32.
-  inner_state: optax.OptState
-  emitted: jax.Array  # shape=(), dtype=jnp.bool_.
-  nonfinite_count: jax.Array  # shape=() or (slots,), dtype=jnp.int32.
-  skipped_count: jax.Array  # shape=() or (slots,), dtype=jnp.int32.
-  stats_sums: noise_scale.StatsSums | None  # float32 scalars or (slots,).
-  stats: noise_scale.GradStats | None  # float32 scalars.
-  tokens_seen: jax.Array  # shape=(), dtype=jnp.float32.
-  tokens_seen_error: jax.Array  # shape=(), dtype=jnp.float32.
-  value_sums: window_args.ValueSums  # scalars or (slots,).
+  A state passed to ``tx.update`` is *spent*: the object is marked (a
+  Python attribute, not a leaf of the pytree), so that
+  :func:`optax_accum.apply_if_updated` refuses it in place of the state
+  that call returned. The returned state also remembers (weakly) the
+  updates returned with it, so that swapped arguments are named. Neither
+  mark changes what any call computes.
+  """
 
   def __getattr__(self, name):
     """A field of the inner optimizer's state, read through this one.
@@ -93,7 +118,42 @@ class AccumulateState(NamedTuple):
     """
     if name.startswith("_"):
       raise AttributeError(name)
-    return inner_field(self.inner_state, name)
+    ours = _OTHER_NAMES.get(name)
+    try:
+      return inner_field(self.inner_state, name)
+    except AttributeError as e:
+      if ours is not None:
+        e.add_note(
+            f"optax_accum: other trainers' {name!r} is oa.AccumulateState's"
+            f" {ours!r} here (state.{ours}); its fields are"
+            f" {', '.join(_Fields._fields)}.")
+      raise
+
+
+def mark_spent(state: AccumulateState) -> None:
+  """Marks a state that was passed to ``tx.update`` (see the class)."""
+  state.__dict__["spent"] = True
+
+
+def is_spent(state: AccumulateState) -> bool:
+  return state.__dict__.get("spent", False)
+
+
+def remember_updates(state: AccumulateState, updates: Any) -> None:
+  """Keeps weak references to the update leaves returned with ``state``."""
+  try:
+    refs = tuple(weakref.ref(u) for u in jax.tree.leaves(updates))
+  except TypeError:  # a leaf that takes no weak reference (a Python float).
+    return
+  state.__dict__["returned"] = refs
+
+
+def returned_with(state: AccumulateState, tree: Any) -> bool:
+  """Whether ``tree``'s leaves are the updates returned with ``state``."""
+  refs = state.__dict__.get("returned")
+  leaves = jax.tree.leaves(tree)
+  return bool(refs) and len(refs) == len(leaves) and all(
+      r() is x for r, x in zip(refs, leaves))
 
 
 def _states_with_field(tree, name, path=""):
@@ -179,15 +239,17 @@ def _compensated_add(total, error, x):
   return new_total, (new_total - total) - y
 
 
-def next_state(state, micro_step, emit, step: microstep.MicroStep,
-                emitted: emitting.Emitted):
+def next_state(state, micro_step, emit, step: sum_layout.MicroStep,
+               emitted: Any, grad_sum: Any):
+  """The state after a call; ``emitted`` is what the emit decision handed
+  back (``emit.Emitted``), ``grad_sum`` the sum's buffer to keep."""
   cycle = step.cycle
   tokens_seen, tokens_seen_error = _compensated_add(
       state.tokens_seen, state.tokens_seen_error, emitted.tokens)
   return AccumulateState(
       micro_step=_zero_where(emit, micro_step),
       count=microstep.increment_where(emitted.updated, state.count),
-      grad_sum=cycle.grad_sum,  # reset lazily: see microstep.add_to_sum.
+      grad_sum=grad_sum,  # reset lazily: see microstep.add_to_sum.
       token_count=_zero_where(emit, cycle.token_count),
       inner_state=emitted.inner_state,
       emitted=emitted.updated,
@@ -209,11 +271,11 @@ def init_state(inner_state, params, accumulator_dtype, axis_name,
     # With an axis, the running sums are this device's partial sums; a
     # leading slot axis lets shard_map lay them out one slot per device
     # (scalars included), so that no device's partial sum can be dropped.
-    return manual_sums.zeros_with_slot(shape, dtype, axis_name)
+    return local_sums.zeros_with_slot(shape, dtype, axis_name)
 
   def sum_zeros(param, accumulator_dtype):
     dtype = microstep.sum_dtype(param, accumulator_dtype)
-    if axis_name is not None and manual_sums.slots_sharded_by_type(axis_name):
+    if axis_name is not None and local_sums.slots_sharded_by_type(axis_name):
       # Under a mesh with Explicit axes: slots sharded like the parameter,
       # ready for unreduced gradients under jit (and for shard_map).
       return slot_sums.slots_like(param, dtype, axis_name)

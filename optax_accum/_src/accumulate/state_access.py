@@ -1,57 +1,22 @@
 """Reading :func:`optax_accum.accumulate`'s state, and acting on it.
 
 Finding the accumulation state inside a larger optimizer state (a chain, an
-``nnx.Optimizer``, a ``TrainState``), reading what it says
-(:func:`has_updated`, :func:`grad_stats`, :func:`tokens_seen`), and applying
-its updates only when it emitted (:func:`apply_if_updated`): a non-emitting
-micro-step returns all-zero updates, which ``optax.apply_updates`` would add
-anyway, one pass over the parameters per micro-step for nothing;
-:func:`apply_if_updated` puts the add in the emitting branch of a
-``lax.cond``, so a non-emitting train step whose parameters are donated
-passes its parameters through untouched.
+``nnx.Optimizer``, a ``TrainState``) and reading what it says
+(:func:`has_updated`, :func:`grad_stats`, :func:`tokens_seen`). Applying its
+updates is :mod:`applying`'s.
 """
 
-import sys
 from typing import Any
 
 import jax
-from jax import lax
-import jax.numpy as jnp
-import optax
 
-from optax_accum._src import conditional_loops
-from optax_accum._src import validation
-from optax_accum._src.accumulate import emitting
+from optax_accum._src import flax_nnx
 from optax_accum._src.accumulate import state as state_lib
-from optax_accum._src.accumulate import update_slot
 from optax_accum._src.rules import noise_scale
 
 
 def _is_state(node: Any) -> bool:
   return isinstance(node, state_lib.AccumulateState)
-
-
-def _variable_type() -> type | None:
-  """Flax NNX's ``Variable`` class if flax is loaded, without importing it."""
-  variablelib = sys.modules.get("flax.nnx.variablelib")
-  return getattr(variablelib, "Variable", None)
-
-
-def _unwrap_variables(state: state_lib.AccumulateState) -> Any:
-  """Replaces NNX ``Variable`` leaves by the arrays they hold.
-
-  ``nnx.Optimizer`` keeps its ``opt_state`` as a pytree whose array leaves are
-  wrapped in ``OptState`` variables; users of this module expect arrays.
-  """
-  variable_type = _variable_type()
-  if variable_type is None:
-    return state
-  is_variable = lambda x: isinstance(x, variable_type)
-  return jax.tree.map(
-      lambda x: x.get_value() if is_variable(x) else x,
-      state,
-      is_leaf=is_variable,
-  )
 
 
 def accumulate_states(
@@ -82,7 +47,7 @@ def accumulate_states(
 
 def first_state(tree: Any, name: str) -> state_lib.AccumulateState:
   """The first :class:`AccumulateState` in ``tree`` (argument ``name``)."""
-  return _unwrap_variables(accumulate_states(tree, name)[0])
+  return flax_nnx.unwrap_variables(accumulate_states(tree, name)[0])
 
 
 def find_accumulate_state(tree: Any) -> state_lib.AccumulateState:
@@ -208,173 +173,3 @@ def tokens_seen(state: Any) -> jax.Array:
     Array(7., dtype=float32)
   """
   return first_state(state, "state").tokens_seen
-
-
-def _keep(params, updates):
-  del updates
-  return params
-
-
-def _check_like_params(params: Any, updates: Any) -> None:
-  """Refuses updates that are not shaped like the parameters."""
-  is_none = lambda x: x is None
-  params_def = jax.tree.structure(params, is_leaf=is_none)
-  updates_def = jax.tree.structure(updates, is_leaf=is_none)
-  if params_def != updates_def:
-    raise ValueError(
-        "updates must have the tree structure of params (the updates that"
-        " tx.update returned for them): "
-        + validation.first_difference(updates, params, "params", is_none)
-        + "."
-    )
-  leaves = jax.tree.leaves(updates, is_leaf=is_none)
-  with_paths = jax.tree_util.tree_leaves_with_path(params, is_leaf=is_none)
-  for (path, p), u in zip(with_paths, leaves):
-    if p is not None and u is not None and jnp.shape(p) != jnp.shape(u):
-      where = jax.tree_util.keystr(path)
-      raise ValueError(
-          f"updates{where} has shape {jnp.shape(u)}, but params{where} has"
-          f" shape {jnp.shape(p)}."
-      )
-
-
-def apply_if_updated(
-    params: optax.Params, updates: optax.Updates, state: Any
-) -> optax.Params:
-  """``optax.apply_updates`` on a call that emitted; ``params`` otherwise.
-
-  The choice is a :func:`jax.lax.cond` on :func:`optax_accum.has_updated`:
-  on a non-emitting micro-step (whose updates are all zeros) the parameters
-  are not read, added to or written; with the parameters donated to the
-  jitted train step, XLA passes their buffers through in place. The result is
-  that of ``optax.apply_updates(params, updates)`` whenever the call emitted
-  (each leaf in its parameter's dtype), and ``params`` itself otherwise.
-
-  Given the very updates and state of one :func:`optax_accum.accumulate`
-  call without a data axis, it reads the updates from the running sum's
-  buffer, where that call kept them, in its emitting branch alone (on GPUs a
-  loop of at most one trip, whose carry XLA keeps in place): the micro-step
-  then needs no parameter-sized buffer of updates (``docs/performance.md``).
-
-  ``flax.nnx.Optimizer.update`` applies its updates itself, with
-  ``optax.apply_updates``. To skip that pass, call the transformation
-  yourself and write the parameters back with :func:`flax.nnx.update`::
-
-    params = nnx.as_pure(nnx.state(model, nnx.Param))
-    opt_state = nnx.as_pure(optimizer.opt_state)
-    updates, opt_state = optimizer.tx.update(grads, opt_state, params,
-                                             num_tokens=n)
-    nnx.update(model, oa.apply_if_updated(params, updates, opt_state))
-    nnx.update(optimizer.opt_state, nnx.state(opt_state))
-
-  (``nnx.as_pure`` is ``nnx.pure`` in older flax; ``optimizer.step``,
-  which ``nnx.Optimizer.update`` increments, is then
-  yours to count.) Or use :func:`optax_accum.value_and_grad`, which calls
-  ``optimizer.update`` once per update, with nothing to skip.
-
-  Args:
-    params: the parameters.
-    updates: the updates of the ``update`` call that produced ``state``.
-    state: the state that call returned: an
-      :class:`optax_accum.AccumulateState`, or an optimizer state containing
-      one (an ``optax.chain``'s, an ``nnx.Optimizer``'s ``opt_state``).
-
-  Returns:
-    The new parameters, shaped and typed like ``params``.
-
-  Raises:
-    ValueError: if ``state`` contains no :class:`AccumulateState`, or if
-      ``updates`` is not shaped like ``params``.
-
-  Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import optax_accum as oa
-    >>> tx = oa.accumulate(optax.sgd(1.0), every_k=2, equal_weights=True)
-    >>> params = {'w': jnp.ones(2)}
-    >>> state = tx.init(params)
-    >>> @jax.jit
-    ... def train_step(params, state, grads):
-    ...   updates, state = tx.update(grads, state, params)
-    ...   return oa.apply_if_updated(params, updates, state), state
-    >>> params, state = train_step(params, state, {'w': jnp.array([1., 3.])})
-    >>> params['w']  # no update yet: untouched
-    Array([1., 1.], dtype=float32)
-    >>> params, state = train_step(params, state, {'w': jnp.array([3., 1.])})
-    >>> params['w']  # 1 - mean of the two gradients
-    Array([-1., -1.], dtype=float32)
-  """
-  _check_like_params(params, updates)
-  ours = first_state(state, "state")
-  found = update_slot.find(updates, ours.grad_sum)
-  if found is None:
-    return lax.cond(ours.emitted, optax.apply_updates, _keep, params,
-                    updates)
-  # The updates are where(updated, slot, 0): the slot is read in the
-  # emitting branch alone (a loop's carry on GPUs, see update_slot).
-  def apply_slot(params, slot):
-    return optax.apply_updates(params, jax.tree.map(
-        lambda s, u: s.astype(u.dtype), slot, updates))
-
-  return emitting.per_compiler(
-      lambda: lax.cond(found.updated, apply_slot, _keep, params, found.slot),
-      lambda: conditional_loops.run_if(found.updated, apply_slot, params,
-                                       found.slot))
-
-
-def update_and_apply(
-    tx: optax.GradientTransformation, grads: optax.Updates, state: Any,
-    params: optax.Params, **kwargs: Any,
-) -> tuple[optax.Params, Any]:
-  """One micro-step of ``tx``, its update applied to ``params`` in place.
-
-  For :func:`optax_accum.accumulate`, the updates are applied inside its
-  emitting branch and ``params`` pass through the other one, so that no
-  updates leave the conditional: with the parameters donated to the jitted
-  train step, XLA needs no parameter-sized buffer of updates (nor does
-  ``tx.update`` with :func:`optax_accum.apply_if_updated` without a data
-  axis, which keeps them in the running sum's buffer; with one, or under
-  ZeRO, it needs one: ``docs/performance.md``). The choice to emit is a loop
-  of at most one trip (XLA's GPU compiler copies the parameters a conditional
-  passes through; a loop's carry it updates in place):
-  :func:`optax_accum.count_collectives` counts what runs in it as in a
-  branch. Differentiated (meta-learning through an update), it is the
-  conditional, in both modes. The result is
-  that of ``tx.update`` and :func:`optax_accum.apply_if_updated`, and a
-  non-emitting call still runs no inner update. Any other ``tx`` (an
-  ``optax.chain`` around ``accumulate``) takes that path: its updates leave
-  the conditional.
-
-  Args:
-    tx: the transformation, best an :func:`optax_accum.accumulate`.
-    grads: this micro-step's gradients.
-    state: ``tx``'s state.
-    params: the parameters (donate them to the jitted step).
-    **kwargs: ``num_tokens``, ``emit`` and any extra argument of ``tx``.
-
-  Returns:
-    The new parameters and the new state.
-
-  Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import optax_accum as oa
-    >>> tx = oa.accumulate(optax.sgd(1.0), every_k=2, equal_weights=True)
-    >>> params = {'w': jnp.ones(2)}
-    >>> state = tx.init(params)
-    >>> step = jax.jit(lambda p, s, g: oa.update_and_apply(tx, g, s, p),
-    ...                donate_argnums=(0, 1))
-    >>> params, state = step(params, state, {'w': jnp.array([1., 3.])})
-    >>> params, state = step(params, state, {'w': jnp.array([3., 1.])})
-    >>> params['w']
-    Array([-1., -1.], dtype=float32)
-  """
-  if params is None:
-    raise ValueError("update_and_apply needs the parameters: params=None.")
-  fused = getattr(tx.update, "update_and_apply", None)
-  if fused is not None:
-    return fused(grads, state, params, **kwargs)
-  updates, state = tx.update(grads, state, params, **kwargs)
-  return apply_if_updated(params, updates, state), state

@@ -2,17 +2,17 @@
 
 Where a cycle's running sum lives, and so how a micro-step is added to it
 and how the emitting branch reduces it, depends on where ``update`` runs and
-on what it is given. ``accumulate`` decides it once per ``update`` call
-(``transform.detect``) and holds one :class:`SumLayout`; nothing below asks
+on what it is given. ``transform.sum_layout_of`` decides it once per
+``update`` call and hands on one :class:`SumLayout`; nothing below asks
 again. Each form's layout lives beside its own logic:
 
 ======== ============================================ =========================
 form     when                                         the running sum
 ======== ============================================ =========================
 single   no ``axis_name``, gradients reduced          one array like the param
-         (:class:`SingleSums`, here)
+         (:mod:`local_sums`)
 manual   ``axis_name`` bound (shard_map, pmap)        this device's slot, psum
-         (:mod:`manual_sums`)                         on emit
+         (:mod:`local_sums`)                          on emit
 typed    under jit, gradients typed unreduced         unreduced like the
          (:mod:`typed_sums`)                          gradient, reduced on emit
 slots    under jit, a state built with ``axis_name``  a slot per device,
@@ -20,63 +20,74 @@ slots    under jit, a state built with ``axis_name``  a slot per device,
 ZeRO     under jit, ``shard_optimizer`` given         typed's (ZeRO-1), or in
          (:mod:`zero_sums`)                           shards (ZeRO-2)
 ======== ============================================ =========================
+
+The tuples that cross module lines (:class:`UpdateSettings`,
+:class:`Cycle`, :class:`MicroStep`) live here, at the bottom.
 """
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
 
-from optax_accum._src.accumulate import emitting
-from optax_accum._src.accumulate import microstep
+from optax_accum._src.accumulate import window_args
+from optax_accum._src.mesh import readers
+from optax_accum._src.rules import noise_scale
+
+
+class UpdateSettings(NamedTuple):
+  """The settings a micro-step is added under (fixed at construction)."""
+
+  loss_reduction: str
+  axis_name: readers.AxisName | None
+  skip_nonfinite: bool
+  should_skip: Callable[[Any, Any, Any], Any] | None
+  grad_reduction: Any  # the checked grad_reduction: a prefix of the grads.
+  with_stats: bool
+
+
+class Cycle(NamedTuple):
+  """The running sums of a cycle: what the emitting branch reads."""
+
+  grad_sum: Any  # like params; per device under axis_name.
+  token_count: jax.Array  # per device under axis_name.
+  stats_sums: noise_scale.StatsSums | None  # None without with_stats.
+  value_sums: window_args.ValueSums  # the window's value; per device too.
+
+
+class MicroStep(NamedTuple):
+  """A micro-step added to the running sums, before the emit decision."""
+
+  grads: Any  # the incoming gradients, checked and floating.
+  leaf_rules: list[str] | None  # each leaf's rule; None: all "mean".
+  cycle: Cycle
+  nonfinite_count: jax.Array  # like state.nonfinite_count.
+  skipped_count: jax.Array  # like state.skipped_count.
+
+
+class Incoming(NamedTuple):
+  """One ``update`` call's micro-step, as the caller gave it."""
+
+  grads: Any  # as given (checked by the layout's add).
+  num_tokens: Any  # as given: None, a number or a traced scalar.
+  tokens: jax.Array  # shape=(), float32: the count it adds.
+  value: jax.Array | None  # the ``value`` extra argument, or None.
 
 
 class SumLayout(Protocol):
   """Where a cycle's sums live: one implementation per form."""
 
-  def add(self, updates: Any, state: Any, params: Any, num_tokens: Any,
-          tokens: jax.Array, settings: microstep.UpdateSettings,
-          value: jax.Array | None) -> microstep.MicroStep:
-    """Checks a micro-step's gradients and adds them (and ``value``, a
-    replicated or device-local scalar, or None) to the running sums."""
+  # Whether the emitting branch reads the sums as they are (no reduction):
+  # the emitted updates may then be kept in the sum's buffer (emit.py).
+  local: bool
 
-  def reduced(self, cycle: emitting.Cycle,
-              rules: list[str] | None) -> emitting.Cycle:
+  def add(self, incoming: Incoming, state: Any, params: Any,
+          settings: UpdateSettings) -> MicroStep:
+    """Checks a micro-step's gradients and adds them (and its ``value``)
+    to the running sums."""
+
+  def reduced(self, cycle: Cycle, rules: list[str] | None) -> Cycle:
     """The sums over every device: the one reduction, when emitting."""
-
-  def summed_like(self, grads: Any) -> Any:
-    """``grads`` as the reduced mean will be typed (for shapes only)."""
 
   def check_emit(self, emit: jax.Array) -> None:
     """Checks a traced ``emit`` (the same on every device where needed)."""
-
-  def finish_updates(self, updates: Any, grads: Any) -> Any:
-    """``inner``'s updates as ``update`` returns them (in the emitting
-    branch), laid out like ``grads``: the updates as they are, except
-    ZeRO's (:mod:`zero_sums`), which gathers its shards."""
-
-
-def as_computed(updates: Any, grads: Any) -> Any:
-  """:meth:`SumLayout.finish_updates` of every form but ZeRO's."""
-  del grads
-  return updates
-
-
-class SingleSums(NamedTuple):
-  """No data axis: the gradients are whole, the sum one array."""
-
-  def add(self, updates, state, params, num_tokens, tokens, settings, value):
-    updates = microstep.checked_grads(updates, state.grad_sum, num_tokens)
-    return microstep.add_local(updates, state, params, tokens, settings,
-                               value)
-
-  def reduced(self, cycle, rules):
-    del rules
-    return cycle
-
-  def summed_like(self, grads):
-    return grads
-
-  def check_emit(self, emit):
-    del emit
-
-  finish_updates = staticmethod(as_computed)

@@ -4,21 +4,18 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import optax
 
-from optax_accum._src import conditional_loops
+from optax_accum._src import flax_nnx
 from optax_accum._src import validation
-from optax_accum._src.accumulate import emitting
-from optax_accum._src.accumulate import manual_sums
-from optax_accum._src.accumulate import microstep
+from optax_accum._src.accumulate import emit as emit_lib
+from optax_accum._src.accumulate import local_sums
 from optax_accum._src.accumulate import placement
 from optax_accum._src.accumulate import slot_sums
 from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import typed_sums
-from optax_accum._src.accumulate import update_slot
 from optax_accum._src.accumulate import window_args
 from optax_accum._src.accumulate import zero_sums
 from optax_accum._src.mesh import axes
@@ -28,7 +25,7 @@ from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import token_weighting
 
 # The named scope of the emitting branch (oa.check_train_step finds it).
-EMIT_SCOPE = "optax_accum_emit"
+EMIT_SCOPE = emit_lib.SCOPE
 
 
 def _cycle_length(
@@ -67,20 +64,23 @@ def _should_emit(emit, micro_step, length, layout):
   return emit | by_count
 
 
-def detect_sum_layout(axis_name: readers.AxisName | None, updates: Any,
-                      grad_sum: Any,
-                      zero: zero_sums.ZeroSums | None = None
-                      ) -> sum_layout.SumLayout:
-  """The form of one ``update`` call (at trace time): where its sums live."""
+def sum_layout_of(axis_name: readers.AxisName | None,
+                  zero: zero_sums.Zero | None, updates: Any,
+                  grad_sum: Any) -> sum_layout.SumLayout:
+  """The form of one ``update`` call (at trace time): where its sums live.
+
+  The one place the form is decided; ``init`` lays the state out by the
+  same settings (``axis_name``, ``shard_optimizer``).
+  """
+  typed = typed_sums.is_typed(updates, grad_sum)
   if zero is not None:
     zero_sums.check_mesh(zero.data_axes)
-    return zero
+    base = typed_sums.TypedSums() if typed else local_sums.SingleSums()
+    return zero_sums.ZeroSums(zero.data_axes, zero.gradient_sync, base)
   if axis_name is None:
-    if typed_sums.is_typed(updates, grad_sum):
-      return typed_sums.TypedSums()
-    return sum_layout.SingleSums()
+    return typed_sums.TypedSums() if typed else local_sums.SingleSums()
   if axes.is_bound(axis_name):
-    return manual_sums.ManualSums(axis_name)
+    return local_sums.ManualSums(axis_name)
   # axis_name under jit: init laid the state out in slots.
   return slot_sums.SlotSums(axis_name)
 
@@ -95,45 +95,16 @@ def _missing_count(equal_weights: Any) -> token_weighting.MissingCount:
   )
 
 
-def _emitter(inner, layout, step, inner_state, params,
-             extra_args, apply) -> emitting.Emitter:
-  """The call's :class:`emitting.Emitter`; on shards, a refusal explained."""
-  try:
-    return emitting.emitter(
-        inner, layout.summed_like(step.grads), step.grads, inner_state,
-        params, extra_args, step.leaf_rules, layout.finish_updates, apply)
-  except compat.sharding_type_error() as e:
-    if isinstance(layout, zero_sums.ZeroSums):
-      zero_sums.note_for_matrices(e)
-    raise
-
-
-def _check_zero(shard_optimizer, gradient_sync, axis_name, with_stats,
-                grad_reduction) -> zero_sums.ZeroSums | None:
-  """``shard_optimizer`` and ``gradient_sync``, checked together."""
-  if gradient_sync not in zero_sums.CHOICES:
-    raise ValueError(
-        f"gradient_sync must be one of {zero_sums.CHOICES}, got"
-        f" {gradient_sync!r}.")
-  if shard_optimizer is None:
-    if gradient_sync != zero_sums.ONCE:
-      raise ValueError(
-          f"gradient_sync={gradient_sync!r} shards the running sum over the"
-          " data axes that shard_optimizer names (ZeRO-2): pass"
-          " shard_optimizer too, e.g. shard_optimizer='data'.")
-    return None
-  data_axes = validation.check_axis_name(shard_optimizer)
-  if axis_name is not None:
-    raise ValueError(
-        f"shard_optimizer={shard_optimizer!r} with axis_name={axis_name!r}:"
-        " ZeRO runs under jax.jit, where the gradients' types say their"
-        " axes; leave axis_name out (it is for jax.shard_map and jax.pmap).")
-  if with_stats or grad_reduction is not None:  # None: all "mean".
-    raise ValueError(
-        f"shard_optimizer={shard_optimizer!r} takes neither with_stats nor a"
-        " grad_reduction other than 'mean' (got with_stats="
-        f"{with_stats!r}, grad_reduction={grad_reduction!r}).")
-  return zero_sums.ZeroSums(readers.axes_of(data_axes), gradient_sync)
+def _check_params(params: Any, grad_sum: Any, slots: bool) -> None:
+  """``params`` must be the tree the state was made for, leaf by leaf."""
+  if params is None:
+    return
+  start = 1 if slots else 0
+  validation.check_same_structure(
+      "params", params,
+      jax.tree.map(lambda s: jax.ShapeDtypeStruct(jnp.shape(s)[start:],
+                                                  s.dtype), grad_sum),
+      "the params the state was built for (tx.init(params))")
 
 
 class _Step(NamedTuple):
@@ -144,8 +115,8 @@ class _Step(NamedTuple):
   inner: optax.GradientTransformationExtraArgs
   every_k: Any
   axis_name: readers.AxisName | None
-  zero: Any
-  settings: microstep.UpdateSettings
+  zero: zero_sums.Zero | None
+  settings: sum_layout.UpdateSettings
   takes_extra_args: bool
   value_fn_over_window: bool
   missing_count: token_weighting.MissingCount
@@ -153,72 +124,100 @@ class _Step(NamedTuple):
   def __call__(self, updates, state, params, num_tokens, emit, extra_args,
                apply):
     state_lib.check_state(updates, state, params)
+    _check_params(params, state.grad_sum, self.axis_name is not None)
     validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
     if extra_args and not self.takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
-    value = window_args.checked_value(extra_args,
-                                       self.value_fn_over_window)
-    layout = detect_sum_layout(self.axis_name, updates, state.grad_sum,
-                               self.zero)
+    layout = sum_layout_of(self.axis_name, self.zero, updates,
+                           state.grad_sum)
     if num_tokens is None:
       tokens = self.missing_count.count()  # warned once the call is checked.
     else:
       tokens = validation.as_token_count("num_tokens", num_tokens)
-    step = layout.add(updates, state, params, num_tokens, tokens, self.settings,
-                      value)
+    incoming = sum_layout.Incoming(
+        updates, num_tokens, tokens,
+        window_args.checked_value(extra_args, self.value_fn_over_window))
+    step = layout.add(incoming, state, params, self.settings)
     micro_step = optax.safe_increment(state.micro_step)
     emit = _should_emit(
         emit, micro_step, _cycle_length(self.every_k, state.count), layout)
-    emitter = _emitter(self.inner, layout, step, state.inner_state, params,
-                       extra_args, apply)
-    # The updates kept in the sum's buffer (update_slot), where they fit.
-    slot = (not apply and isinstance(layout, sum_layout.SingleSums)
-            and update_slot.fits(emitter.like_updates, step.cycle.grad_sum))
-    emitter = emitter._replace(slot=slot)
-
-    def emit_branch(cycle, emitter, inner_state, stats):
-      with jax.named_scope(EMIT_SCOPE):
-        return emitter.emit(layout.reduced(cycle, step.leaf_rules),
-                            inner_state, stats)
-
-    emitted = _choose(emit, emit_branch, emitter, step.cycle, state, apply)
-    updates = emitted.updates
-    if slot:
-      step = step._replace(cycle=step.cycle._replace(grad_sum=updates))
-      updates = update_slot.updates_from(updates, emitter.like_updates,
-                                         emitted.updated)
-    new_state = state_lib.next_state(state, micro_step, emit, step, emitted)
+    emitter = emit_lib.emitter(self.inner, params, extra_args, step.grads,
+                               step.leaf_rules)
+    try:
+      output = emit_lib.output_for(apply, layout, emitter, step.cycle,
+                                   state.inner_state)
+      emitted = emit_lib.decide(emit, step.cycle, state, layout, emitter,
+                                output)
+    except compat.sharding_type_error() as e:
+      if self.zero is not None:
+        zero_sums.note_for_matrices(e)
+      raise
+    returned, grad_sum = output.returned(emitted, step.cycle.grad_sum)
+    new_state = state_lib.next_state(state, micro_step, emit, step, emitted,
+                                     grad_sum)
     if num_tokens is None:
       self.missing_count.warn()
-    return updates, new_state
+    state_lib.mark_spent(state)
+    if not apply:
+      state_lib.remember_updates(new_state, returned)
+    return returned, new_state
 
 
-def _choose(emit, emit_branch, emitter, cycle, state, apply):
-  """``emit_branch`` where ``emit``, else ``emitter.skip``.
+class _Update:
+  """:func:`accumulate`'s ``update``: ``(grads, state, params=None, *,
+  num_tokens=None, emit=None, **extra_args) -> (updates, state)``."""
 
-  A conditional; with ``apply`` a loop of at most one trip, whose carry (the
-  parameters) XLA keeps in place; with the updates kept in the sum's buffer
-  (``emitter.slot``), that buffer in a loop's carry on GPUs, a conditional
-  elsewhere (``emitting.per_compiler``).
+  __slots__ = ("__weakref__", "step")
+
+  def __init__(self, step: _Step):
+    self.step = step
+
+  def __call__(self, updates, state, params=None, *, num_tokens=None,
+               emit=None, **extra_args):
+    return self.step(updates, state, params, num_tokens, emit, extra_args,
+                     False)
+
+
+class AccumulateTransformation(optax.GradientTransformationExtraArgs):
+  """What :func:`optax_accum.accumulate` returns: an optax transformation
+  that can also apply its updates itself, in its emitting branch.
+
+  It is an :class:`optax.GradientTransformationExtraArgs` (it chains, and
+  ``flax.nnx.Optimizer`` takes it) whose type says it offers the copy-free
+  step :meth:`update_and_apply`, which :func:`optax_accum.update_and_apply`
+  calls. An ``optax.chain`` around it is a plain transformation:
+  :func:`optax_accum.update_and_apply` then runs ``update`` and
+  :func:`optax_accum.apply_if_updated`, as documented there.
+
+  Attributes:
+    init: ``init(params) -> AccumulateState``.
+    update: ``update(grads, state, params=None, *, num_tokens=None,
+      emit=None, **extra_args) -> (updates, state)``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_accum as oa
+    >>> tx = oa.accumulate(optax.sgd(1.0), every_k=1, equal_weights=True)
+    >>> isinstance(tx, oa.AccumulateTransformation)
+    True
+    >>> params = {'w': jnp.ones(2)}
+    >>> params, state = tx.update_and_apply({'w': jnp.ones(2)},
+    ...                                     tx.init(params), params)
+    >>> params['w']
+    Array([0., 0.], dtype=float32)
   """
-  def looped(in_carry, reads):
-    return conditional_loops.run_if(
-        emit, lambda e, cycle: emit_branch(
-            *in_carry(e, cycle), e.inner_state, e.stats),
-        emitter.skip(cycle, state.inner_state, state.stats), reads)
 
-  def branched():
-    return lax.cond(emit, lambda c, i, s: emit_branch(c, emitter, i, s),
-                    emitter.skip, cycle, state.inner_state, state.stats)
+  __slots__ = ()
 
-  if apply:  # the parameters in the carry.
-    return looped(lambda e, cycle: (cycle, emitter.with_params(e.updates)),
-                  cycle)
-  if emitter.slot:  # the sum in the carry alone (as a read too, XLA copies).
-    return emitting.per_compiler(branched, lambda: looped(
-        lambda e, cycle: (cycle._replace(grad_sum=e.updates), emitter),
-        cycle._replace(grad_sum=None)))
-  return branched()
+  def update_and_apply(self, grads, state, params, *, num_tokens=None,
+                       emit=None, **extra_args):
+    """``params`` with this micro-step's update applied, and the state.
+
+    :func:`optax_accum.update_and_apply` with this transformation.
+    """
+    return self.update.step(grads, state, params, num_tokens, emit,
+                            extra_args, True)
 
 
 def accumulate(
@@ -236,7 +235,7 @@ def accumulate(
     value_fn_over_window: bool = False,
     shard_optimizer: str | tuple[str, ...] | None = None,
     gradient_sync: str = "once",
-) -> optax.GradientTransformationExtraArgs:
+) -> AccumulateTransformation:
   r"""Accumulates micro-batch gradients and updates once per cycle.
 
   Each call takes the gradient of one micro-batch. With
@@ -349,7 +348,8 @@ def accumulate(
       it: 1/N of its memory, ``k`` reduce-scatters per update).
 
   Returns:
-    A :class:`optax.GradientTransformationExtraArgs` whose ``update`` takes
+    An :class:`AccumulateTransformation`, an
+    :class:`optax.GradientTransformationExtraArgs` whose ``update`` takes
     ``(grads, state, params=None, *, num_tokens=None, emit=None,
     **extra_args)``. ``num_tokens=None`` counts as one (see
     ``equal_weights``). ``emit=True`` (a Python or traced bool) ends the
@@ -409,20 +409,20 @@ def accumulate(
                                                            axis_name)
   value_fn_over_window = validation.check_bool("value_fn_over_window",
                                                value_fn_over_window)
-  zero = _check_zero(shard_optimizer, gradient_sync, axis_name, with_stats,
-                     grad_reduction)
+  zero = zero_sums.check(shard_optimizer, gradient_sync, axis_name,
+                         with_stats, grad_reduction)
   validation.check_transformation("inner", inner)
   takes_extra_args = isinstance(inner, optax.GradientTransformationExtraArgs)
   inner = optax.with_extra_args_support(inner)
 
-  settings = microstep.UpdateSettings(
+  settings = sum_layout.UpdateSettings(
       loss_reduction, axis_name, skip_nonfinite, should_skip, grad_reduction,
       with_stats)
 
   def init_fn(params):
     placement.check_not_in_skipping_wrapper()
     validation.check_param_leaves(params)
-    validation.check_slots_fit_params(axis_name, params)
+    flax_nnx.check_slots_fit_params(axis_name, params)
     # Raises unless grad_reduction fits the params.
     grad_reduction_lib.rules_per_leaf(grad_reduction, params)
     if zero is None:
@@ -433,14 +433,4 @@ def accumulate(
 
   step = _Step(inner, every_k, axis_name, zero, settings, takes_extra_args,
                value_fn_over_window, missing_count)
-
-  def update_fn(updates, state, params=None, *, num_tokens=None, emit=None,
-                **extra_args):
-    return step(updates, state, params, num_tokens, emit, extra_args, False)
-
-  def update_and_apply(grads, state, params, *, num_tokens=None, emit=None,
-                       **extra_args):
-    return step(grads, state, params, num_tokens, emit, extra_args, True)
-
-  update_fn.update_and_apply = update_and_apply
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return AccumulateTransformation(init_fn, _Update(step))

@@ -28,7 +28,6 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._src.accumulate import emitting
 from optax_accum._src.accumulate import microstep
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import window_args
@@ -108,8 +107,8 @@ def _laid_out_like(sums: list[Any], grads: list[Any],
 
 
 def add_partials(updates: Any, state: Any, params: Any, tokens: jax.Array,
-                 settings: microstep.UpdateSettings,
-                 value: jax.Array | None) -> microstep.MicroStep:
+                 settings: sum_layout.UpdateSettings,
+                 value: jax.Array | None) -> sum_layout.MicroStep:
   """Adds a micro-step's unreduced gradients, on each device's partials.
 
   The non-finite decision is global (one scalar reduction);
@@ -143,10 +142,10 @@ def add_partials(updates: Any, state: Any, params: Any, tokens: jax.Array,
       (grads, sums, tokens, skip, state.micro_step == 0),
       microstep.DeviceAdd(sum_specs, P(), P(), P()),
   )
-  return microstep.MicroStep(
+  return sum_layout.MicroStep(
       grads=updates,
       leaf_rules=None,  # all "mean": check_partials_settings refuses others.
-      cycle=emitting.Cycle(
+      cycle=sum_layout.Cycle(
           grad_sum=jax.tree.unflatten(jax.tree.structure(state.grad_sum),
                                       added.sums),
           token_count=state.token_count + added.tokens,
@@ -169,28 +168,20 @@ def reduce_sum(s: jax.Array) -> jax.Array:
   return collectives.reduce_scatter_unreduced(s, readers.plain_spec(s))
 
 
-def reduced_cycle(cycle: emitting.Cycle) -> emitting.Cycle:
-  """The cycle's sums over every device (inside the emitting branch)."""
-  return cycle._replace(grad_sum=jax.tree.map(reduce_sum, cycle.grad_sum))
-
-
 class TypedSums(NamedTuple):
   """Under jit, unreduced gradients: the sum kept unreduced, by type."""
 
-  def add(self, updates, state, params, num_tokens, tokens, settings, value):
-    del num_tokens
-    updates = microstep.checked_grads(updates, state.grad_sum, None)
-    microstep.check_partials_settings(updates, settings)
-    return add_partials(updates, state, params, tokens, settings, value)
+  local: bool = False
+
+  def add(self, incoming: sum_layout.Incoming, state, params, settings):
+    grads = microstep.checked_grads(incoming.grads, state.grad_sum, None)
+    microstep.check_partials_settings(grads, settings)
+    return add_partials(grads, state, params, incoming.tokens, settings,
+                        incoming.value)
 
   def reduced(self, cycle, rules):
     del rules
-    return reduced_cycle(cycle)
-
-  def summed_like(self, grads):
-    return readers.summed_like(grads)
+    return cycle._replace(grad_sum=jax.tree.map(reduce_sum, cycle.grad_sum))
 
   def check_emit(self, emit):
     del emit  # a jit-level value: the same on every device by its type.
-
-  finish_updates = staticmethod(sum_layout.as_computed)

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_accum._src.accumulate import emitting
+from optax_accum._src import validation
 from optax_accum._src.accumulate import microstep
 from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
@@ -42,15 +42,44 @@ EVERY_MICROBATCH = "every_microbatch"
 CHOICES = (ONCE, EVERY_MICROBATCH)
 
 
-def shard_specs(tree: Any, data_axes: tuple[str, ...]) -> Any:
-  """Each leaf's ZeRO spec under the current mesh."""
-  return zero.zero_specs(tree, data_axes)
+class Zero(NamedTuple):
+  """``accumulate``'s ZeRO settings, checked at construction."""
+
+  data_axes: tuple[str, ...]
+  gradient_sync: str
+
+
+def check(shard_optimizer, gradient_sync, axis_name, with_stats,
+          grad_reduction) -> Zero | None:
+  """``shard_optimizer`` and ``gradient_sync``, checked together."""
+  if gradient_sync not in CHOICES:
+    raise ValueError(
+        f"gradient_sync must be one of {CHOICES}, got {gradient_sync!r}.")
+  if shard_optimizer is None:
+    if gradient_sync != ONCE:
+      raise ValueError(
+          f"gradient_sync={gradient_sync!r} shards the running sum over the"
+          " data axes that shard_optimizer names (ZeRO-2): pass"
+          " shard_optimizer too, e.g. shard_optimizer='data'.")
+    return None
+  data_axes = validation.check_axis_name(shard_optimizer)
+  if axis_name is not None:
+    raise ValueError(
+        f"shard_optimizer={shard_optimizer!r} with axis_name={axis_name!r}:"
+        " ZeRO runs under jax.jit, where the gradients' types say their"
+        " axes; leave axis_name out (it is for jax.shard_map and jax.pmap).")
+  if with_stats or grad_reduction is not None:  # None: all "mean".
+    raise ValueError(
+        f"shard_optimizer={shard_optimizer!r} takes neither with_stats nor a"
+        " grad_reduction other than 'mean' (got with_stats="
+        f"{with_stats!r}, grad_reduction={grad_reduction!r}).")
+  return Zero(readers.axes_of(data_axes), gradient_sync)
 
 
 def sharded(tree: Any, data_axes: tuple[str, ...]) -> Any:
   """``tree``'s leaves resharded to their shards (a slice of whole ones)."""
   return jax.tree.map(jax.sharding.reshard, tree,
-                      shard_specs(tree, data_axes))
+                      zero.zero_specs(tree, data_axes))
 
 
 def check_mesh(data_axes: tuple[str, ...]) -> None:
@@ -65,35 +94,39 @@ def check_mesh(data_axes: tuple[str, ...]) -> None:
         f" {dict(zip(mesh.axis_names, mesh.axis_types)) or 'no mesh'}).")
 
 
-def init_state(zero: "ZeroSums", inner: Any, params: Any,
+def init_state(settings: Zero, inner: Any, params: Any,
                accumulator_dtype: Any, with_stats: bool) -> Any:
   """``accumulate``'s first state: ``inner``'s state in shards, the running
   sums whole like the parameters (ZeRO-1) or in shards (ZeRO-2)."""
-  check_mesh(zero.data_axes)
+  check_mesh(settings.data_axes)
   state = state_lib.init_state(
-      inner.init(sharded(params, zero.data_axes)), params, accumulator_dtype,
-      None, with_stats)
-  if zero.gradient_sync == EVERY_MICROBATCH:
-    state = state._replace(grad_sum=sharded(state.grad_sum, zero.data_axes))
+      inner.init(sharded(params, settings.data_axes)), params,
+      accumulator_dtype, None, with_stats)
+  if settings.gradient_sync == EVERY_MICROBATCH:
+    state = state._replace(
+        grad_sum=sharded(state.grad_sum, settings.data_axes))
   return state
 
 
 class ZeroSums(NamedTuple):
-  """Under jit, the optimizer (and with ZeRO-2 the sum) on shards."""
+  """Under jit, the optimizer (and with ZeRO-2 the sum) on shards.
+
+  ``base`` is the layout the gradients come in by (the typed form's for
+  unreduced gradients, the single form's for reduced ones, which a sharded
+  sum takes its slice of); ZeRO-2 scatters unreduced ones itself.
+  """
 
   data_axes: tuple[str, ...]
   gradient_sync: str
+  base: Any  # typed_sums.TypedSums or local_sums.SingleSums.
+  local: bool = False
 
-  def add(self, updates, state, params, num_tokens, tokens, settings, value):
-    if not typed_sums.is_typed(updates, state.grad_sum):
-      # Reduced gradients: a sharded sum takes its slice of each.
-      return sum_layout.SingleSums().add(updates, state, params, num_tokens,
-                                         tokens, settings, value)
-    if self.gradient_sync == ONCE:
-      return typed_sums.TypedSums().add(updates, state, params, num_tokens,
-                                        tokens, settings, value)
-    return self._scatter_into_shards(updates, state, params, tokens,
-                                     settings, value)
+  def add(self, incoming: sum_layout.Incoming, state, params, settings):
+    if self.gradient_sync == ONCE or self.base.local:
+      return self.base.add(incoming, state, params, settings)
+    return self._scatter_into_shards(incoming.grads, state, params,
+                                     incoming.tokens, settings,
+                                     incoming.value)
 
   def _scatter_into_shards(self, updates, state, params, tokens, settings,
                            value):
@@ -121,9 +154,9 @@ class ZeroSums(NamedTuple):
         state.grad_sum, step.cycle.grad_sum, scattered)
     return step._replace(cycle=step.cycle._replace(grad_sum=grad_sum))
 
-  def reduced(self, cycle: emitting.Cycle, rules) -> emitting.Cycle:
+  def reduced(self, cycle: sum_layout.Cycle, rules) -> sum_layout.Cycle:
     del rules
-    specs = shard_specs(cycle.grad_sum, self.data_axes)
+    specs = zero.zero_specs(cycle.grad_sum, self.data_axes)
 
     def to_shard(s, spec):
       if readers.unreduced_axes(s):  # ZeRO-1: the one reduce-scatter.
@@ -133,22 +166,8 @@ class ZeroSums(NamedTuple):
     return cycle._replace(grad_sum=jax.tree.map(to_shard, cycle.grad_sum,
                                                 specs))
 
-  def summed_like(self, grads):
-    specs = shard_specs(readers.summed_like(grads), self.data_axes)
-    return jax.tree.map(
-        lambda g, spec: jax.ShapeDtypeStruct(
-            jnp.shape(g), jnp.result_type(g), sharding=spec),
-        grads, specs)
-
   def check_emit(self, emit):
     del emit  # a jit-level value.
-
-  def finish_updates(self, updates, grads):
-    """The updates gathered to the gradients' (the parameters') sharding:
-    one all-gather per update, in the emitting branch."""
-    return jax.tree.map(
-        lambda u, g: jax.sharding.reshard(u, readers.plain_spec(g)),
-        updates, grads)
 
 
 def note_for_matrices(e: Exception) -> None:

@@ -1,9 +1,9 @@
-"""tx.update keeps its updates in the running sum's buffer (update_slot.py).
+"""The emitting step (emit.py): one decision, three outputs, traced once.
 
-What a user can see of it: the updates handed back are the same as ever
-(zeros, then the inner's update, in each parameter's dtype); the state's
-``grad_sum`` right after an emit holds them; ``oa.apply_if_updated`` reads
-them from there only when given the very updates and state of that call.
+``tx.update`` keeps its updates in the running sum's buffer where that
+buffer holds them exactly (``emit.UpdatesInSum``). What a user can see of
+it: the updates handed back are the same as ever (zeros, then the inner's
+update, in each parameter's dtype), and the next cycle starts from zeros.
 """
 
 import jax
@@ -99,9 +99,9 @@ def test_apply_if_updated_reads_only_the_updates_it_was_given(jit):
   helpers.assert_trees_equal(scaled, {"w": 1.0 - 2.0 * grads["w"]})
 
 
-def test_apply_if_updated_with_another_calls_state_decides_by_that_state():
-  """The updates of an emitting call with the state of a non-emitting one:
-  nothing is applied, as has_updated(state) says."""
+def test_apply_if_updated_with_a_later_calls_state_decides_by_that_state():
+  """The updates of an emitting call with the state of a later,
+  non-emitting one: nothing is applied, as has_updated(state) says."""
   tx = oa.accumulate(optax.sgd(1.0), every_k=2, equal_weights=True)
   params = {"w": jnp.ones(2)}
 
@@ -109,9 +109,9 @@ def test_apply_if_updated_with_another_calls_state_decides_by_that_state():
   def step(params, state):
     _, state = tx.update({"w": jnp.ones(2)}, state, params)
     updates, emitted = tx.update({"w": jnp.ones(2)}, state, params)
+    applied = oa.apply_if_updated(params, updates, emitted)
     _, skipped = tx.update({"w": jnp.ones(2)}, emitted, params)
-    return (oa.apply_if_updated(params, updates, emitted),
-            oa.apply_if_updated(params, updates, skipped))
+    return applied, oa.apply_if_updated(params, updates, skipped)
 
   applied, kept = step(params, tx.init(params))
   helpers.assert_trees_equal(applied, {"w": jnp.zeros(2)})

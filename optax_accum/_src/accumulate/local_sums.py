@@ -1,12 +1,13 @@
-"""The manual form of :func:`optax_accum.accumulate`: a slot per device.
+"""The two forms whose sums each device holds itself: single and manual.
 
-Inside :func:`jax.shard_map` or :func:`jax.pmap`, with ``axis_name`` bound,
-each device keeps the sum of its own micro-batches' gradients (its *partial
-sum*), and the partial sums are added over the data-parallel axis once, when
-the update is made. In the state a partial sum sits behind a leading *slot*
-axis: one slot per device, so that a shard_map whose specs lay the slots out
-over the axis keeps every device's partial sum (a replicated spec would keep
-one and drop the others).
+*single*: no data axis; the gradients are whole and the sum one array like
+its parameter. *manual*: inside :func:`jax.shard_map` or :func:`jax.pmap`,
+with ``axis_name`` bound, each device keeps the sum of its own micro-batches'
+gradients (its *partial sum*), and the partial sums are added over the axis
+once, when the update is made. In the state a partial sum sits behind a
+leading *slot* axis: one slot per device, so that a shard_map whose specs lay
+the slots out over the axis keeps every device's partial sum (a replicated
+spec would keep one and drop the others).
 """
 
 from collections.abc import Sequence
@@ -25,17 +26,35 @@ from optax_accum._src.mesh import readers
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 
 
+class SingleSums(NamedTuple):
+  """No data axis: the gradients are whole, the sum one array."""
+
+  local: bool = True
+
+  def add(self, incoming: sum_layout.Incoming, state, params, settings):
+    grads = microstep.checked_grads(incoming.grads, state.grad_sum,
+                                    incoming.num_tokens)
+    return microstep.add_local(grads, state, params, incoming, settings)
+
+  def reduced(self, cycle, rules):
+    del rules
+    return cycle
+
+  def check_emit(self, emit):
+    del emit
+
+
 class ManualSums(NamedTuple):
   """A manual axis (shard_map, pmap): each device's slot, a psum on emit."""
 
   axis_name: readers.AxisName
+  local: bool = False
 
-  def add(self, updates, state, params, num_tokens, tokens, settings, value):
-    updates = microstep.checked_grads(updates, state.grad_sum, num_tokens,
-                                      slot_axis=True,
-                                      local_over=self.axis_name)
-    return microstep.add_local(updates, state, params, tokens, settings,
-                               value)
+  def add(self, incoming: sum_layout.Incoming, state, params, settings):
+    grads = microstep.checked_grads(incoming.grads, state.grad_sum,
+                                    incoming.num_tokens, slot_axis=True,
+                                    local_over=self.axis_name)
+    return microstep.add_local(grads, state, params, incoming, settings)
 
   def reduced(self, cycle, rules):
     # The "max" leaves get their pmax first, on one device, so that the one
@@ -45,17 +64,12 @@ class ManualSums(NamedTuple):
     cycle = sum_slots_over(cycle, self.axis_name)
     return cycle._replace(token_count=cycle.token_count.reshape(()))
 
-  def summed_like(self, grads):
-    return lax.psum(grads, self.axis_name)
-
   def check_emit(self, emit):
     axes.check_same_on_every_device("emit", emit, self.axis_name)
 
-  finish_updates = staticmethod(sum_layout.as_computed)
-
 
 def zeros_with_slot(shape: Sequence[int], dtype: Any,
-               axis_name: readers.AxisName) -> jax.Array:
+                    axis_name: readers.AxisName) -> jax.Array:
   """Zeros for per-device partial sums: ``shape`` behind a leading slot axis.
 
   Inside shard_map or pmap each device has one slot. Under a mesh
