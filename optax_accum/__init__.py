@@ -6,12 +6,6 @@ from optax_accum._src.accumulate.applying import (
 from optax_accum._src.accumulate.applying import (
     update_and_apply as update_and_apply,
 )
-from optax_accum._src.accumulate.partition_specs import (
-    reduced_state as reduced_state,
-)
-from optax_accum._src.accumulate.partition_specs import (
-    state_partition_specs as state_partition_specs,
-)
 from optax_accum._src.accumulate.state import AccumulateState as AccumulateState
 from optax_accum._src.accumulate.state_access import (
     find_accumulate_state as find_accumulate_state,
@@ -55,6 +49,10 @@ from optax_accum._src.tools.self_check import (
     check_train_step as check_train_step,
 )
 from optax_accum._src.tools.self_check import TrainStepCheck as TrainStepCheck
+from optax_accum._src.tools.state_specs import reduced_state as reduced_state
+from optax_accum._src.tools.state_specs import (
+    state_partition_specs as state_partition_specs,
+)
 
 __version__ = "0.1.0"
 

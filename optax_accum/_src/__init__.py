@@ -104,9 +104,10 @@ falls back.
 
   transform.py          the factory (an AccumulateTransformation: init,
    |                    update, update_and_apply); init(): placement.py
-   |                    refuses a wrapper that would skip our update;
-   |                    sum_layout_of(): the form, once (the one place it
-   |                    is decided) -> a sum_layout.SumLayout:
+   |                    refuses a wrapper that would skip our update
+  update_call.py        one update call (Step): sum_layout_of(), the form,
+   |                    once (the one place it is decided) -> a
+   |                    sum_layout.SumLayout:
    |                      single    local_sums.SingleSums
    |                      manual    local_sums.ManualSums (shard_map, pmap)
    |                      typed     typed_sums.TypedSums (unreduced
@@ -120,11 +121,12 @@ falls back.
    |                    the drops, the lazy-reset add; add_on_device for
    |                    the deferred forms) and window_args.py (the extra
    |                    args over the window)
-   |  emit or skip      emit.py: output_for picks the emit.Output (Updates,
-   |                    UpdatesInSum, Applied); decide(): one choose() for
-   |                    emit, layout.reduced (the one reduction per update),
-   |                    one choose() for a cycle with tokens, Emitter.run
-   |                    (inner on the mean, traced once)
+   |  emit or skip      emit.py: output_for picks the outputs.Output
+   |                    (Updates, UpdatesInSum, Applied); decide(): one
+   |                    choose() for emit, layout.reduced (the one
+   |                    reduction per update), one choose() for a cycle
+   |                    with tokens, Emitter.run (inner on the mean,
+   |                    traced once)
   state.py              AccumulateState, its start and next value
 
 ``sum_layout.py`` holds the Protocol and the tuples that cross module lines
@@ -132,15 +134,17 @@ falls back.
 ``state_access.py`` reads a state (``find_accumulate_state``,
 ``has_updated``, ``grad_stats``, ``tokens_seen``); ``applying.py`` applies
 its updates (``apply_if_updated``, ``update_and_apply``);
-``partition_specs.py`` gives a state's specs and ``reduced_state`` (to save
-one). Nothing below ``transform.sum_layout_of`` asks which form it is in.
+``tools/state_specs.py`` gives a state's specs and ``reduced_state`` (to
+save one). Nothing below ``update_call.sum_layout_of`` asks which form it is in.
 
 **tools/**: opt-in, off every hot path. ``hlo`` (``count_collectives``,
 on ``hlo_text``'s parser of compiled HLO), ``self_check``
 (``check_train_step``: judges what ``step_reading`` reads on the same
 parser, the micro-batch loop's trip count and where the gradient is
 reduced), ``planner`` (``plan_microbatches``, on ``planner_step``'s step
-and ``memory_analysis``'s reading of a compiled program's memory).
+and ``memory_analysis``'s reading of a compiled program's memory),
+``state_specs`` (``state_partition_specs``, ``reduced_state``: an
+``accumulate`` state laid out for a shard_map or a checkpoint).
 
 The same words name the forms in both families: *single* (no data axis),
 *manual* (data axes made manual: shard_map, pmap), *typed* (Explicit data

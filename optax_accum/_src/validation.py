@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_accum._src import caller_warnings
 from optax_accum._src import flax_nnx
 from optax_accum._src import tree_match
 
@@ -100,7 +101,9 @@ def check_accumulator_dtypes(value: Any) -> Any:
   if value is None:
     return None
   if _is_dtype_leaf(value):
-    return check_accumulator_dtype(value)
+    dtype = check_accumulator_dtype(value)
+    _warn_if_narrow([("", dtype)])
+    return dtype
   leaves = jax.tree_util.tree_flatten_with_path(value,
                                                 is_leaf=_is_dtype_leaf)[0]
   if not leaves:
@@ -108,11 +111,27 @@ def check_accumulator_dtypes(value: Any) -> Any:
         "accumulator_dtype must be a floating dtype or a pytree prefix of"
         f" the parameters with floating dtypes as leaves, got {value!r}."
     )
-  for path, leaf in leaves:
-    if leaf is not None:
-      _floating_dtype(f"accumulator_dtype{jax.tree_util.keystr(path)}", leaf)
+  checked = [(jax.tree_util.keystr(path),
+              _floating_dtype(f"accumulator_dtype{jax.tree_util.keystr(path)}",
+                              leaf))
+             for path, leaf in leaves if leaf is not None]
+  _warn_if_narrow(checked)
   return jax.tree.map(lambda x: None if x is None else jnp.dtype(x), value,
                       is_leaf=_is_dtype_leaf)
+
+
+def _warn_if_narrow(dtypes: list[tuple[str, jnp.dtype]]) -> None:
+  """Warns of an explicit running sum narrower than float32 (the classic
+  bf16 accumulator: once the sum is large, small gradients round away)."""
+  narrow = [f"accumulator_dtype{path}={dtype.name}" for path, dtype in dtypes
+            if jnp.finfo(dtype).bits < 32]
+  if narrow:
+    caller_warnings.warn(
+        f"{', '.join(narrow)} keeps the running sum narrower than float32:"
+        " once the sum is large, small gradients round away (1000"
+        " gradients of 1.0 summed in bfloat16 make 256, not 1000). Leave"
+        " accumulator_dtype out (float32, or the parameter's dtype where"
+        " wider) unless memory forces it.")
 
 
 def wider_dtype(x: Any) -> jnp.dtype:

@@ -144,8 +144,11 @@ def test_donated_micro_steps_emit_without_a_copy(report, inner):
   scalars = 1024  # our state's counters and flags, a few hundred bytes.
   assert peaks["update_and_apply"] <= peaks["MultiSteps"] + scalars, peaks
   params_bytes = 4 * 1024 * 1024 * 4  # emit_peak's 4 x f32[1024, 1024].
+  # One buffer of updates (the conditional's operand), and some scheduling
+  # around it: on compile-only TPU v5e, 106 against 80 MiB with adamw, 90
+  # against 74 with Muon (not measured on an H100 since issue 49).
   assert peaks["apply_if_updated"] <= (
-      peaks["update_and_apply"] + params_bytes + scalars), peaks
+      peaks["update_and_apply"] + 2 * params_bytes + scalars), peaks
 
 
 def test_an_nnx_optimizer_micro_step_peaks_no_higher_than_multisteps(

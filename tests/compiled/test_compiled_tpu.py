@@ -349,8 +349,11 @@ def test_donated_micro_steps_emit_without_a_copy(inner):
            for kind in co.EMIT_KINDS}
   assert peaks["update_and_apply"] <= peaks["MultiSteps"], peaks
   params_bytes = 4 * 1024 * 1024 * 4  # emit_peak's 4 x f32[1024, 1024].
+  # One buffer of updates (the conditional's operand), and with adamw XLA
+  # schedules 10 MiB more around it: 106 against 80 MiB here, 90 against
+  # 74 with Muon (3072 against 2688 MiB at 8 x f32[4096, 4096]).
   assert peaks["apply_if_updated"] <= (
-      peaks["update_and_apply"] + params_bytes), peaks
+      peaks["update_and_apply"] + 2 * params_bytes), peaks
 
 
 def test_an_nnx_optimizer_micro_step_peaks_no_higher_than_multisteps():

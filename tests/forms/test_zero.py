@@ -388,3 +388,19 @@ def test_nnx_optimizer_sharding_metadata_makes_a_zero_state():
     got = {"w1": model.w1[...], "w2": model.w2[...], "odd": model.odd[...]}
   helpers.assert_trees_close(jax.device_get(got), _full_batch(micro_batches),
                              rtol=2e-5, atol=1e-6)
+
+
+def test_a_state_from_another_layout_is_named():
+  """Issue 50 item 3: a replicated state (an old checkpoint) fed to a ZeRO-1
+  update: our error naming the leaf and tx.init, not JAX's "cond branches
+  must have equal output types"."""
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    params = jax.device_put(_params(), P())
+    zero = oa.accumulate(_optimizer(), K, shard_optimizer="data")
+    old = oa.accumulate(_optimizer(), K).init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    with pytest.raises(ValueError, match=r"state\.inner_state.*another"
+                       r" layout.*tx\.init\(params\) under the same mesh"):
+      jax.jit(lambda g, s, p: zero.update(g, s, p, num_tokens=4))(
+          grads, old, params)

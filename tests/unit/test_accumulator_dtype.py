@@ -4,6 +4,8 @@ A run with a tree of dtypes must give, leaf by leaf, what the run with that
 leaf's dtype for every leaf gives: the dtypes do not mix.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -136,3 +138,27 @@ def test_a_prefix_that_does_not_fit_the_params_is_named():
   fn = oa.value_and_grad(_loss, num_microbatches=2, accumulator_dtype=bad)
   with pytest.raises(ValueError, match=r"accumulator_dtype.*\['w3'\]"):
     fn(_params(), _batch())
+
+
+@pytest.mark.parametrize("entry", ["accumulate", "value_and_grad"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16,
+                                   {"embed": jnp.bfloat16, "w": None}])
+def test_an_explicit_accumulator_narrower_than_float32_warns(entry, dtype):
+  """Issue 50 item 3: the README's classic mistake, asked for by name: a
+  warning at construction naming accumulator_dtype (and the leaf)."""
+  with pytest.warns(UserWarning, match=r"accumulator_dtype.*narrower than"
+                    r" float32") as caught:
+    if entry == "accumulate":
+      oa.accumulate(optax.sgd(1.0), 2, accumulator_dtype=dtype)
+    else:
+      oa.value_and_grad(_loss, num_microbatches=2, accumulator_dtype=dtype)
+  assert caught[0].filename == __file__  # the caller's line.
+  if isinstance(dtype, dict):
+    assert "accumulator_dtype['embed']=bfloat16" in str(caught[0].message)
+
+
+def test_float32_and_wider_accumulators_do_not_warn():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    oa.accumulate(optax.sgd(1.0), 2, accumulator_dtype=jnp.float32)
+    oa.accumulate(optax.sgd(1.0), 2)

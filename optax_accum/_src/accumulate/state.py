@@ -106,6 +106,10 @@ class AccumulateState(_Fields):
   mark changes what any call computes.
   """
 
+  def __getstate__(self):
+    """Pickled and copied as its fields: the marks stay with the object."""
+    return None
+
   def __getattr__(self, name):
     """A field of the inner optimizer's state, read through this one.
 

@@ -2,7 +2,7 @@
 
 Where a cycle's running sum lives, and so how a micro-step is added to it
 and how the emitting branch reduces it, depends on where ``update`` runs and
-on what it is given. ``transform.sum_layout_of`` decides it once per
+on what it is given. ``update_call.sum_layout_of`` decides it once per
 ``update`` call and hands on one :class:`SumLayout`; nothing below asks
 again. Each form's layout lives beside its own logic:
 

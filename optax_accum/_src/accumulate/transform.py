@@ -1,181 +1,23 @@
 """Gradient accumulation, an optax transformation: one micro-batch per call."""
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from optax_accum._src import flax_nnx
 from optax_accum._src import validation
 from optax_accum._src.accumulate import emit as emit_lib
-from optax_accum._src.accumulate import local_sums
 from optax_accum._src.accumulate import placement
-from optax_accum._src.accumulate import slot_sums
 from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
-from optax_accum._src.accumulate import typed_sums
-from optax_accum._src.accumulate import window_args
+from optax_accum._src.accumulate import update_call
 from optax_accum._src.accumulate import zero_sums
-from optax_accum._src.mesh import axes
-from optax_accum._src.mesh import compat
-from optax_accum._src.mesh import readers
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
-from optax_accum._src.rules import token_weighting
 
 # The named scope of the emitting branch (oa.check_train_step finds it).
 EMIT_SCOPE = emit_lib.SCOPE
-
-
-def _cycle_length(
-    every_k: int | Callable[[jax.Array], jax.Array] | None, count: jax.Array
-) -> jax.Array | None:
-  """Micro-steps in the cycle that ends with update number ``count + 1``.
-
-  None when ``every_k`` is None: no cycle ends by count.
-  """
-  if every_k is None:
-    return None
-  if not callable(every_k):
-    return jnp.asarray(every_k, jnp.int32)
-  length = jnp.asarray(every_k(count))
-  if length.ndim != 0 or not jnp.issubdtype(length.dtype, jnp.integer):
-    raise TypeError(
-        "every_k(count) must return an integer scalar, got"
-        f" {length.dtype}{list(length.shape)}."
-    )
-  return jnp.maximum(length.astype(jnp.int32), 1)
-
-
-def _should_emit(emit, micro_step, length, layout):
-  """The emit decision: the every_k rule OR the caller's ``emit``.
-
-  ``emit`` can only end a cycle early, never hold one open: with
-  ``emit=(i == last)`` every other call must still follow ``every_k``, or an
-  epoch's updates silently collapse into one. ``length`` is None when
-  ``every_k`` is None, and then ``emit`` alone decides.
-  """
-  by_count = jnp.bool_(False) if length is None else micro_step >= length
-  if emit is None:
-    return by_count
-  emit = validation.check_predicate("emit", emit)
-  layout.check_emit(emit)
-  return emit | by_count
-
-
-def sum_layout_of(axis_name: readers.AxisName | None,
-                  zero: zero_sums.Zero | None, updates: Any,
-                  grad_sum: Any) -> sum_layout.SumLayout:
-  """The form of one ``update`` call (at trace time): where its sums live.
-
-  The one place the form is decided; ``init`` lays the state out by the
-  same settings (``axis_name``, ``shard_optimizer``).
-  """
-  typed = typed_sums.is_typed(updates, grad_sum)
-  if zero is not None:
-    zero_sums.check_mesh(zero.data_axes)
-    base = typed_sums.TypedSums() if typed else local_sums.SingleSums()
-    return zero_sums.ZeroSums(zero.data_axes, zero.gradient_sync, base)
-  if axis_name is None:
-    return typed_sums.TypedSums() if typed else local_sums.SingleSums()
-  if axes.is_bound(axis_name):
-    return local_sums.ManualSums(axis_name)
-  # axis_name under jit: init laid the state out in slots.
-  return slot_sums.SlotSums(axis_name)
-
-
-def _missing_count(equal_weights: Any) -> token_weighting.MissingCount:
-  """The count of an ``update`` call given no ``num_tokens``."""
-  return token_weighting.MissingCount(
-      "oa.accumulate",
-      "num_tokens=n to each update call (n: the number of tokens that"
-      " micro-batch's loss averaged over)",
-      validation.check_bool("equal_weights", equal_weights),
-  )
-
-
-def _check_params(params: Any, grad_sum: Any, slots: bool) -> None:
-  """``params`` must be the tree the state was made for, leaf by leaf."""
-  if params is None:
-    return
-  start = 1 if slots else 0
-  validation.check_same_structure(
-      "params", params,
-      jax.tree.map(lambda s: jax.ShapeDtypeStruct(jnp.shape(s)[start:],
-                                                  s.dtype), grad_sum),
-      "the params the state was built for (tx.init(params))")
-
-
-class _Step(NamedTuple):
-  """One ``update`` call of :func:`accumulate`, with its settings: the
-  updates, or with ``apply`` the parameters they make (applied in the
-  emitting branch, :func:`optax_accum.update_and_apply`), and the state."""
-
-  inner: optax.GradientTransformationExtraArgs
-  every_k: Any
-  axis_name: readers.AxisName | None
-  zero: zero_sums.Zero | None
-  settings: sum_layout.UpdateSettings
-  takes_extra_args: bool
-  value_fn_over_window: bool
-  missing_count: token_weighting.MissingCount
-
-  def __call__(self, updates, state, params, num_tokens, emit, extra_args,
-               apply):
-    state_lib.check_state(updates, state, params)
-    _check_params(params, state.grad_sum, self.axis_name is not None)
-    validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
-    if extra_args and not self.takes_extra_args:
-      validation.refuse_extra_args("inner", extra_args)
-    layout = sum_layout_of(self.axis_name, self.zero, updates,
-                           state.grad_sum)
-    if num_tokens is None:
-      tokens = self.missing_count.count()  # warned once the call is checked.
-    else:
-      tokens = validation.as_token_count("num_tokens", num_tokens)
-    incoming = sum_layout.Incoming(
-        updates, num_tokens, tokens,
-        window_args.checked_value(extra_args, self.value_fn_over_window))
-    step = layout.add(incoming, state, params, self.settings)
-    micro_step = optax.safe_increment(state.micro_step)
-    emit = _should_emit(
-        emit, micro_step, _cycle_length(self.every_k, state.count), layout)
-    emitter = emit_lib.emitter(self.inner, params, extra_args, step.grads,
-                               step.leaf_rules)
-    try:
-      output = emit_lib.output_for(apply, layout, emitter, step.cycle,
-                                   state.inner_state)
-      emitted = emit_lib.decide(emit, step.cycle, state, layout, emitter,
-                                output)
-    except compat.sharding_type_error() as e:
-      if self.zero is not None:
-        zero_sums.note_for_matrices(e)
-      raise
-    returned, grad_sum = output.returned(emitted, step.cycle.grad_sum)
-    new_state = state_lib.next_state(state, micro_step, emit, step, emitted,
-                                     grad_sum)
-    if num_tokens is None:
-      self.missing_count.warn()
-    state_lib.mark_spent(state)
-    if not apply:
-      state_lib.remember_updates(new_state, returned)
-    return returned, new_state
-
-
-class _Update:
-  """:func:`accumulate`'s ``update``: ``(grads, state, params=None, *,
-  num_tokens=None, emit=None, **extra_args) -> (updates, state)``."""
-
-  __slots__ = ("__weakref__", "step")
-
-  def __init__(self, step: _Step):
-    self.step = step
-
-  def __call__(self, updates, state, params=None, *, num_tokens=None,
-               emit=None, **extra_args):
-    return self.step(updates, state, params, num_tokens, emit, extra_args,
-                     False)
 
 
 class AccumulateTransformation(optax.GradientTransformationExtraArgs):
@@ -404,7 +246,7 @@ def accumulate(
   skip_nonfinite = validation.check_bool("skip_nonfinite", skip_nonfinite)
   should_skip = validation.check_optional_callable("should_skip", should_skip)
   with_stats = validation.check_bool("with_stats", with_stats)
-  missing_count = _missing_count(equal_weights)
+  missing_count = update_call.missing_count(equal_weights)
   grad_reduction = grad_reduction_lib.check_grad_reduction(grad_reduction,
                                                            axis_name)
   value_fn_over_window = validation.check_bool("value_fn_over_window",
@@ -431,6 +273,7 @@ def accumulate(
     return zero_sums.init_state(zero, inner, params, accumulator_dtype,
                                 with_stats)
 
-  step = _Step(inner, every_k, axis_name, zero, settings, takes_extra_args,
-               value_fn_over_window, missing_count)
-  return AccumulateTransformation(init_fn, _Update(step))
+  step = update_call.Step(inner, every_k, axis_name, zero, settings,
+                          takes_extra_args, value_fn_over_window,
+                          missing_count)
+  return AccumulateTransformation(init_fn, update_call.Update(step))

@@ -2,7 +2,7 @@
 
 ``inner`` runs once per window, on the emitting call, but a full-batch loop
 would have handed it arguments computed from the whole batch. Each extra
-argument therefore has a rule for the window (:data:`RULES`):
+argument therefore has a rule for the window:
 
 * ``value`` (a loss, for ``optax.contrib.reduce_on_plateau`` or a line
   search): the window's token-weighted mean of the values passed, with the
@@ -30,14 +30,6 @@ import jax.numpy as jnp
 VALUE = "value"
 GRAD = "grad"
 VALUE_FN = "value_fn"
-
-RULES = {
-    VALUE: "the window's token-weighted mean of the values passed",
-    GRAD: "the window's mean gradient (what inner gets as updates)",
-    VALUE_FN: "refused unless value_fn_over_window=True; then as given on"
-              " the emitting call",
-}
-
 
 class ValueSums(NamedTuple):
   """The running sums behind the window's ``value`` (per device with an

@@ -134,3 +134,33 @@ def test_two_micro_steps_in_one_jit_apply_each_their_own():
 
   helpers.assert_trees_equal(two_steps(params, tx.init(params)),
                              {"w": jnp.full(2, 1.0 - 0.5 - 1.5)})
+
+
+@pytest.mark.parametrize("call", ["update", "update_and_apply"])
+def test_what_each_state_field_holds_after_an_emitting_call(call):
+  """AccumulateState's docstring, field by field, after an emit: a new
+  cycle's zeros, the counts advanced; grad_sum is scratch the next call
+  overwrites (what it holds is not part of the contract)."""
+  tx = oa.accumulate(optax.adam(0.1), every_k=2, with_stats=True)
+  params = _params()
+  state = tx.init(params)
+  step = ((lambda g, s, n: tx.update(g, s, params, num_tokens=n, value=1.0)[1])
+          if call == "update" else
+          (lambda g, s, n: tx.update_and_apply(g, s, params, num_tokens=n,
+                                               value=1.0)[1]))
+  state = jax.jit(step)(_grads(0), state, 3.0)
+  state = jax.jit(step)(_grads(1), state, 1.0)
+  assert int(state.micro_step) == 0 and int(state.count) == 1
+  assert bool(state.emitted) and float(state.token_count) == 0.0
+  assert float(state.tokens_seen) == 4.0
+  assert int(state.nonfinite_count) == 0 and int(state.skipped_count) == 0
+  helpers.assert_trees_equal(state.stats_sums,
+                             jax.tree.map(jnp.zeros_like, state.stats_sums))
+  helpers.assert_trees_equal(state.value_sums,
+                             jax.tree.map(jnp.zeros_like, state.value_sums))
+  assert int(state.inner_state[0].count) == 1  # adam stepped once.
+  # The next cycle starts from zeros whatever the scratch holds.
+  state = jax.jit(step)(_grads(2), state, 2.0)
+  helpers.assert_trees_close(
+      state.grad_sum,
+      jax.tree.map(lambda g: 2 * g.astype(jnp.float32), _grads(2)))

@@ -1,4 +1,9 @@
-"""Partition specs for an optimizer state that holds per-device sums."""
+"""The specs of :func:`optax_accum.accumulate`'s state, and a state to save.
+
+Opt-in, off the hot path: :func:`state_partition_specs` lays a state out for
+a ``jax.shard_map``'s specs or a checkpoint's target; :func:`reduced_state`
+reduces the running sums kept unreduced, before a mid-cycle save.
+"""
 
 from typing import Any
 
