@@ -61,7 +61,9 @@ The call reads as stages in order, data passing downward:
    |                    runner.Settings
   runner.py             run(): the form, once (forms.detect_form: single,
    |                    manual, auto or typed, by the type of the data
-   |                    axes), and its one layout.Layout:
+   |                    axes); param_specs checked against the mesh and
+   |                    the policy against the leaves (fsdp.check_fits_mesh,
+   |                    fsdp.warn_if_sync_unused); its one layout.Layout:
    |                      single    layout.SingleLayout (the identity)
    |                      manual    manual_layout.ManualLayout (shard_map,
    |                                pmap; fsdp.py: the FSDP policy)

@@ -10,6 +10,7 @@ the per-micro-batch variants save on 8 simulated devices.
 """
 
 import re
+import warnings
 
 import jax
 from jax import lax
@@ -21,6 +22,7 @@ import pytest
 
 import helpers
 import optax_accum as oa
+from optax_accum._src.microbatch import fsdp
 
 N = 8  # simulated devices (tests/conftest.py).
 K = 2  # micro-batches per device.
@@ -174,11 +176,13 @@ def test_sharded_over_one_of_two_data_axes_sums_over_the_other_once():
   assert by_axes[("data",)].outside == {"all-reduce": 1}
 
 
-def test_replicated_params_mean_once_whatever_the_policy():
+def test_replicated_params_mean_once_whatever_the_policy(monkeypatch):
+  monkeypatch.setattr(fsdp, "_warned_unused", set())
   with jax.set_mesh(_mesh()):
     params = jax.device_put(_params(), P())
     batch = jax.device_put(_data(), P("data"))
-    compiled = jax.jit(_fn(EVERY, EVERY)).lower(params, batch).compile()
+    with pytest.warns(UserWarning, match="'every_microbatch' does nothing"):
+      compiled = jax.jit(_fn(EVERY, EVERY)).lower(params, batch).compile()
     loss, grads = compiled(params, batch)
   _assert_exact(loss, grads)
   counts = oa.count_collectives(compiled, include_scalars=False)
@@ -296,6 +300,90 @@ def test_param_specs_that_do_not_match_the_params_are_named():
     with pytest.raises(ValueError, match="param_specs must be a"):
       jax.jit(fn).lower(jax.device_put(_params(), SPECS),
                         jax.device_put(_data(), P("data")))
+
+
+def _lower(fn, params, specs=None):
+  """``fn`` traced on ``params`` (placed as ``specs``, else replicated) and
+  the batch."""
+  return jax.jit(fn).lower(jax.device_put(params, specs or P()),
+                           jax.device_put(_data(), P("data")))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_param_specs_naming_an_axis_the_mesh_lacks_are_named(axis_type):
+  """Failed before with Explicit axes: the axis was dropped, the gradient
+  came back whole (FSDP or ZeRO off without a word)."""
+  with jax.set_mesh(_mesh(axis_type=axis_type)):
+    with pytest.raises(ValueError, match=re.escape(
+        "param_specs['w1']=P('dta',) names the axis 'dta', which the mesh"
+        " lacks (its axes: {'data': 8})")) as raised:
+      _lower(_fn(ONCE, ONCE, param_specs=dict(SPECS, w1=P("dta"))),
+             _params())
+  assert "oa.zero_specs(params, 'data')" in str(raised.value)
+
+
+def test_param_specs_the_data_size_does_not_divide_are_named():
+  """A 3-element leaf over 8 devices. Failed before in JAX's "tiled
+  reduce_scatter operand scatter dimension size 3 must be divisible by
+  shard_count 8", naming neither param_specs nor the leaf. The fix it
+  names, oa.zero_specs, keeps that leaf whole, and runs."""
+  params = dict(_params(), odd=jnp.ones(3))
+  fn = _fn(ONCE, ONCE, param_specs=dict(SPECS, odd=P("data")))
+  with jax.set_mesh(_mesh()):
+    with pytest.raises(ValueError, match=re.escape(
+        "param_specs shards params['odd'] over 'data' on dimension 0 of"
+        " shape (3,), whose size 3 the 8 devices of 'data' do not divide"
+        " (mesh axes {'data': 8}). Shard a dimension that 8 divides, or keep"
+        " the leaf whole (P()): oa.zero_specs(params, 'data')")):
+      _lower(fn, params)
+    specs = oa.zero_specs(params, "data")
+    assert specs["odd"] == P()
+    _lower(_fn(ONCE, ONCE, param_specs=specs), params)
+
+
+@pytest.mark.parametrize(("under", "held"), [
+    ("jit", "a leaf of shape (16,)"),
+    ("shard_map", "this device's shard of shape (2,)")])
+def test_param_specs_on_a_dimension_the_leaf_lacks_are_named(under, held):
+  """b1 is 1-D. Failed before under jax.jit with Explicit axes: the entry
+  was dropped, b1's gradient came back whole; inside shard_map, JAX's
+  "axis 1 is out of bounds for array of dimension 1"."""
+  specs = dict(SPECS, b1=P(None, "data"))
+  fn = _fn(ONCE, ONCE, param_specs=specs)
+  if under == "shard_map":
+    fn = jax.shard_map(fn, in_specs=(SPECS, P("data")),
+                       out_specs=(P(), SPECS))
+  with jax.set_mesh(_mesh()):
+    with pytest.raises(ValueError, match=re.escape(
+        "param_specs shards params['b1'] over 'data' on dimension 1, which"
+        f" {held} lacks")):
+      _lower(fn, _params(), SPECS)
+
+
+def test_every_microbatch_sync_without_sharded_leaves_warns_once(
+    monkeypatch):
+  """ZeRO-2 asked of oa.value_and_grad in a per-call loop (replicated
+  parameters, no param_specs): exact, but the gradient is all-reduced
+  whole on every call. Said once, at the caller's line, naming the call
+  that does ZeRO-2; not where a leaf is sharded (FSDP)."""
+  monkeypatch.setattr(fsdp, "_warned_unused", set())
+  with jax.set_mesh(_mesh()):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      _lower(_fn(EVERY, ONCE), _params(), SPECS)  # FSDP: it applies.
+      assert not caught, [str(w.message) for w in caught]
+      for _ in range(2):
+        _lower(_fn(EVERY, ONCE), _params())
+  assert len(caught) == 1, [str(w.message) for w in caught]
+  assert caught[0].category is UserWarning
+  assert caught[0].filename == __file__
+  assert re.match(
+      r"gradient_sync='every_microbatch' does nothing here: no parameter"
+      r" leaf is sharded over the data axes 'data'.* ZeRO-2 is"
+      r" oa\.accumulate\(\.\.\., shard_optimizer='data',"
+      r" gradient_sync='every_microbatch'\) fed the gradients of"
+      r" oa\.value_and_grad\(\.\.\., gradient_sync='deferred'\)",
+      str(caught[0].message))
 
 
 # Shards handed to loss_fn (typed form, both policies "every_microbatch"):

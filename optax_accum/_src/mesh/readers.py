@@ -97,6 +97,12 @@ def axis_sizes(mesh: Any) -> dict[str, int]:
   return dict(mesh.shape)
 
 
+def missing_axes(names: tuple[str, ...], mesh: Any) -> list[str]:
+  """The axes of ``names`` that ``mesh`` lacks, in order."""
+  sizes = axis_sizes(mesh)
+  return [n for n in names if n not in sizes]
+
+
 def are_explicit(mesh: Any, names: tuple[str, ...]) -> bool:
   """Whether every axis of ``names`` is Explicit in ``mesh``."""
   types = axis_types(mesh)

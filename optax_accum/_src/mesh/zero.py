@@ -39,12 +39,11 @@ def check_data_axes(axis_name: Any, mesh: Any) -> tuple[str, ...]:
         "axis_name must name the data axes to shard the optimizer over (e.g."
         " 'data' or ('data', 'fsdp')), got None.")
   names = readers.axes_of(axis_name)
-  sizes = readers.axis_sizes(mesh)
-  unknown = [a for a in names if a not in sizes]
+  unknown = readers.missing_axes(names, mesh)
   if unknown or not names:
     raise ValueError(
         f"axis_name={axis_name!r} names {unknown or 'no'} mesh axes; the mesh"
-        f" has {tuple(sizes)}.")
+        f" has {tuple(readers.axis_sizes(mesh))}.")
   return names
 
 

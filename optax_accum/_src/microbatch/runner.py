@@ -53,7 +53,7 @@ def run(program: layout.Program, settings: Settings, params: Any,
   form = forms.detect_form(settings.axis_name, params, inputs.batch,
                       batching.leaf_axes(inputs.batch, settings.batch_axes))
   with forms.entered(form):
-    _check(form, settings, inputs)
+    _check(form, settings, params, inputs)
     if form.kind == forms.TYPED:
       lay, partials = typed_trace.build_typed(
           lambda lay: _local(program, lay, params, inputs), params,
@@ -73,10 +73,17 @@ def run(program: layout.Program, settings: Settings, params: Any,
                      inputs)
 
 
-def _check(form: forms.Form, settings: Settings,
+def _check(form: forms.Form, settings: Settings, params: Any,
            inputs: loss_signature.Inputs) -> None:
-  """What each form refuses, before anything is traced."""
+  """What each form refuses (or warns of), before anything is traced."""
   deferred = settings.policy.gradient_sync == fsdp.DEFERRED
+  if form.kind != forms.SINGLE:
+    fsdp.check_fits_mesh(params, settings.param_specs, form.axis_name,
+                         whole=form.kind in (forms.TYPED, forms.AUTO))
+    if settings.policy.gradient_sync == fsdp.EVERY_MICROBATCH:
+      fsdp.warn_if_sync_unused(
+          _param_specs(params, settings.param_specs, form.axis_name),
+          form.axis_name)
   if form.kind == forms.SINGLE:
     # Without data parallelism (no mesh, a mesh of one device, data axes of
     # size 1) there is nothing to defer: "deferred" is the plain gradient,
