@@ -360,8 +360,9 @@ def test_an_nnx_optimizer_micro_step_peaks_no_higher_than_multisteps():
   """SPEC 11 (issue 38, item 3), inside an nnx.Optimizer: optimizer.update
   (which adds the updates with optax.apply_updates, those tx.update kept in
   the sum's buffer fused into that add: 96 MiB here, 136 before; 2688 at 8
-  x f32[4096, 4096], 3072 before) and oa.update_and_apply written back with nnx.update (80 MiB),
-  against optax.MultiSteps in the same nnx.Optimizer (134 MiB; 3008)."""
+  x f32[4096, 4096], 3072 before) and oa.update_and_apply written back
+  with nnx.update (80 MiB), against optax.MultiSteps in the same
+  nnx.Optimizer (134 MiB; 3008)."""
   peaks = {kind: co.nnx_emit_peak(co.tpu_devices()[0], kind,
                                   optax.adamw(1e-3))
            for kind in co.NNX_EMIT_KINDS}
