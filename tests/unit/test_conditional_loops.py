@@ -96,13 +96,19 @@ def test_differentiated_as_the_conditional_in_both_modes(pred):
                jax.jvp(cond, (x, y, scale), tangents))
 
 
-def _trajectory(inner):
-  """Params and state of update_and_apply after cycles with uneven tokens,
-  an empty cycle and an early flush."""
+def _split(tx, grads, state, params, **kwargs):
+  updates, state = tx.update(grads, state, params, **kwargs)
+  return oa.apply_if_updated(params, updates, state), state
+
+
+def _trajectory(inner, call=oa.update_and_apply):
+  """Params and state of ``call`` (update_and_apply, or tx.update, which
+  keeps its updates in the sum's buffer, + apply_if_updated) after cycles
+  with uneven tokens, an empty cycle and an early flush."""
   tx = oa.accumulate(inner, every_k=3)
   params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3),
             "b": jnp.ones(3, jnp.bfloat16)}
-  step = jax.jit(lambda params, state, grads, n, emit: oa.update_and_apply(
+  step = jax.jit(lambda params, state, grads, n, emit: call(
       tx, grads, state, params, num_tokens=n, emit=emit))
   state = tx.init(params)
   tokens = [2.0, 5.0, 1.0, 0.0, 0.0, 0.0, 3.0, 4.0]  # cycle 2: no tokens.
@@ -113,18 +119,20 @@ def _trajectory(inner):
   return params, state
 
 
+@pytest.mark.parametrize("call", [oa.update_and_apply, _split],
+                         ids=["update_and_apply", "split"])
 @pytest.mark.parametrize("inner", ["adam", "muon"])
 def test_the_gpu_programs_loop_gives_the_cpu_programs_result(
-    monkeypatch, inner):
-  """On GPUs update_and_apply runs the inner optimizer in a loop where TPU
-  and CPU programs use a conditional (conditional_loops.per_compiler): forced
-  here on the CPU, the same trajectory, bit for bit."""
+    monkeypatch, inner, call):
+  """On GPUs the emit choices are loops where TPU and CPU programs use
+  conditionals (conditional_loops.per_compiler): forced here on the CPU,
+  the same trajectory, bit for bit."""
   opt = optax.adam(0.1) if inner == "adam" else optax.contrib.muon(0.1)
-  branched = _trajectory(opt)
+  branched = _trajectory(opt, call)
   calls = []
   monkeypatch.setattr(conditional_loops, "per_compiler",
                       lambda branched, looped: calls.append(1) or looped())
-  looped = _trajectory(opt)
+  looped = _trajectory(opt, call)
   assert calls  # the loop was taken.
   jax.tree.map(np.testing.assert_array_equal, looped, branched)
 
