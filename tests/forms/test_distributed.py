@@ -397,33 +397,6 @@ def test_accumulate_under_plain_jit_names_the_axis():
 # state_partition_specs.
 
 
-def test_state_partition_specs_gives_params_specs_to_param_shaped_state():
-  tx = optax.chain(
-      optax.clip_by_global_norm(1.0),
-      oa.accumulate(optax.adam(0.1), every_k=2, axis_name="data",
-                    skip_nonfinite=True),
-  )
-  params = {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
-  state = jax.eval_shape(tx.init, params)
-  param_specs = {"w": P(None, "model"), "b": P()}
-  specs = oa.state_partition_specs(state, "data", param_specs)
-  accumulate_specs = specs[1]
-  assert accumulate_specs.grad_sum == {
-      "w": P("data", None, "model"), "b": P("data"),
-  }
-  assert accumulate_specs.token_count == P("data")
-  assert accumulate_specs.nonfinite_count == P("data")
-  assert accumulate_specs.count == P()
-  adam = accumulate_specs.inner_state[0]
-  assert adam.mu == adam.nu == param_specs
-  assert adam.count == P()
-  # A single spec applies to every parameter.
-  specs = oa.state_partition_specs(state, ("data", "fsdp"), P("model"))
-  assert specs[1].grad_sum["b"] == P(("data", "fsdp"), "model")
-  with pytest.raises(ValueError, match="AccumulateState"):
-    oa.state_partition_specs(optax.adam(0.1).init(params), "data")
-
-
 def test_state_partition_specs_suit_a_shard_map_over_data_on_a_2d_mesh():
   """docs/distributed.md's pattern with w split over an Explicit "model" axis.
 

@@ -392,39 +392,3 @@ def test_device_local_outside_a_manual_axis_is_named():
   with pytest.raises(TypeError, match="axis_name must be None, a str"):
     oa.device_local({"w": jnp.ones(2)}, 3)
 
-
-def _slotted_state():
-  tx = oa.accumulate(optax.sgd(1.0), 2, axis_name="data")
-  with jax.set_mesh(_mesh()):
-    return tx.init({"w": jnp.ones(DIM), "b": jnp.zeros(())})
-
-
-def test_state_partition_specs_name_a_bad_axis_name_or_param_specs():
-  state = _slotted_state()
-  with pytest.raises(TypeError, match="axis_name must be None, a str"):
-    oa.state_partition_specs(state, 3)
-  with pytest.raises(TypeError, match=r"param_specs must be None, a"
-                     r" PartitionSpec or a tree of them.*got 'data'"):
-    oa.state_partition_specs(state, "data", param_specs="data")
-  with pytest.raises(ValueError, match=r"prefix of the parameters' tree"
-                     r" PyTreeDef\(\{'b': \*, 'w': \*\}\)"):
-    oa.state_partition_specs(state, "data", param_specs={"w": P()})
-  with pytest.raises(ValueError, match=r"axis_name='model', but the state's"
-                     r" running sums keep their per-device slots over"
-                     r" \['data'\]"):
-    oa.state_partition_specs(state, "model")
-  specs = oa.state_partition_specs(state, "data", param_specs={"w": P(),
-                                                                "b": P()})
-  assert specs.grad_sum == {"w": P("data"), "b": P("data")}
-
-
-def test_state_partition_specs_refuse_slots_a_state_does_not_have():
-  state = oa.accumulate(optax.sgd(1.0), 2).init({"w": jnp.ones(DIM)})
-  with pytest.raises(ValueError, match=r"axis_name='data', but the state"
-                     r" holds no per-device slots \(its token_count has"
-                     r" shape \(\)\)"):
-    oa.state_partition_specs(state, "data")
-  with pytest.raises(ValueError, match="param_specs is read only with"
-                     " axis_name"):
-    oa.state_partition_specs(state, param_specs=P())
-  assert oa.state_partition_specs(state).grad_sum == {"w": P()}

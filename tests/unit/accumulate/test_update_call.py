@@ -1,0 +1,99 @@
+"""``update_call``: one ``update`` call, its form decided once.
+
+``sum_layout_of`` is the one place the form is decided, from the settings
+(``axis_name``, ``shard_optimizer``) and where the call runs with what
+types; the emit decision is the ``every_k`` rule OR the caller's ``emit``,
+which can end a cycle early but never hold one open.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import accumulate_parts
+from accumulate_parts import N
+from optax_accum._src.accumulate import local_sums
+from optax_accum._src.accumulate import slot_sums
+from optax_accum._src.accumulate import typed_sums
+from optax_accum._src.accumulate import update_call
+from optax_accum._src.accumulate import zero_sums
+
+WHOLE = {"w": jnp.zeros(2)}
+ZERO1 = zero_sums.Zero(("data",), zero_sums.ONCE)
+
+
+def _unreduced():
+  return {"w": accumulate_parts.unreduced_from_slots(
+      jax.device_put(np.ones((N, 2), np.float32), P("data")))}
+
+
+def test_without_a_mesh_the_form_is_single():
+  assert update_call.sum_layout_of(None, None, WHOLE, WHOLE) == (
+      local_sums.SingleSums())
+  with pytest.raises(ValueError, match=r"shard_optimizer=\('data',\)"):
+    update_call.sum_layout_of(None, ZERO1, WHOLE, WHOLE)
+
+
+@accumulate_parts.needs_unreduced_types
+def test_under_jit_the_types_and_the_settings_decide():
+  with jax.set_mesh(accumulate_parts.explicit_mesh()):
+    partials = _unreduced()
+    decide = update_call.sum_layout_of
+    assert decide(None, None, partials, WHOLE) == typed_sums.TypedSums()
+    assert decide(None, None, WHOLE, partials) == typed_sums.TypedSums()
+    assert decide(None, None, WHOLE, WHOLE) == local_sums.SingleSums()
+    assert decide("data", None, partials, WHOLE) == slot_sums.SlotSums(
+        "data")
+    assert decide(None, ZERO1, partials, WHOLE) == zero_sums.ZeroSums(
+        ("data",), zero_sums.ONCE, typed_sums.TypedSums())
+    assert decide(None, ZERO1, WHOLE, WHOLE) == zero_sums.ZeroSums(
+        ("data",), zero_sums.ONCE, local_sums.SingleSums())
+
+
+def test_inside_shard_map_the_form_is_manual():
+  layouts = []
+
+  def per_device(x):
+    layouts.append(update_call.sum_layout_of("data", None, WHOLE, WHOLE))
+    return x
+
+  mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
+  jax.shard_map(per_device, mesh=mesh, in_specs=P("data"),
+                out_specs=P("data"))(jnp.ones(N))
+  assert layouts == [local_sums.ManualSums("data")]
+
+
+@pytest.mark.parametrize("emit,micro_step,emits", [
+    (None, 3, True), (None, 2, False),  # every_k alone.
+    (True, 1, True),  # emit ends a cycle early,
+    (False, 3, True),  # but never holds one open.
+    (jnp.bool_(False), 2, False),
+])
+def test_emit_is_the_every_k_rule_or_the_callers(emit, micro_step, emits):
+  length = update_call._cycle_length(3, jnp.int32(0))
+  decided = update_call._should_emit(emit, jnp.int32(micro_step), length,
+                                     local_sums.SingleSums())
+  assert bool(decided) == emits
+
+
+def test_without_every_k_only_emit_ends_a_cycle():
+  assert update_call._cycle_length(None, jnp.int32(0)) is None
+  layout = local_sums.SingleSums()
+  assert not bool(update_call._should_emit(None, jnp.int32(99), None,
+                                           layout))
+  assert bool(update_call._should_emit(True, jnp.int32(1), None, layout))
+  with pytest.raises(TypeError, match="emit must be a bool scalar"):
+    update_call._should_emit(jnp.ones(2, bool), jnp.int32(1), None, layout)
+
+
+def test_a_callable_every_k_gives_a_length_of_at_least_one():
+  length = update_call._cycle_length(lambda count: count - 5, jnp.int32(2))
+  assert int(length) == 1
+  assert int(update_call._cycle_length(lambda count: 2 * count + 1,
+                                       jnp.int32(2))) == 5
+  with pytest.raises(TypeError, match=r"every_k\(count\) must return an"
+                     r" integer scalar, got float32\[\]"):
+    update_call._cycle_length(lambda count: 1.5 * count, jnp.int32(2))
