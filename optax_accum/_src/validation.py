@@ -182,20 +182,22 @@ def per_leaf_dtypes(accumulator_dtype: Any, params: Any) -> Any:
        for d, p in zip(dtypes, jax.tree.leaves(params))])
 
 
-def check_axis_name(value: Any) -> str | tuple[str, ...] | None:
-  """Checks an axis name: None, a hashable name, or a tuple of names."""
+def check_axis_name(value: Any, name: str = "axis_name"
+                    ) -> str | tuple[str, ...] | None:
+  """Checks an axis name: None, a name, or a tuple of names; ``name`` is
+  the argument's, for the error."""
   if value is None:
     return None
   if isinstance(value, tuple):
     if not value or not all(isinstance(v, str) for v in value):
       raise TypeError(
-          "axis_name must be None, a str or a non-empty tuple of str, got"
+          f"{name} must be None, a str or a non-empty tuple of str, got"
           f" {value!r}."
       )
     return value
   if not isinstance(value, str):
     raise TypeError(
-        f"axis_name must be None, a str or a tuple of str, got {value!r} of"
+        f"{name} must be None, a str or a tuple of str, got {value!r} of"
         f" type {type(value).__name__}."
     )
   return value

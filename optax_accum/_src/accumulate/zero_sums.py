@@ -62,7 +62,7 @@ def check(shard_optimizer, gradient_sync, axis_name, with_stats,
           " data axes that shard_optimizer names (ZeRO-2): pass"
           " shard_optimizer too, e.g. shard_optimizer='data'.")
     return None
-  data_axes = validation.check_axis_name(shard_optimizer)
+  data_axes = validation.check_axis_name(shard_optimizer, "shard_optimizer")
   if axis_name is not None:
     raise ValueError(
         f"shard_optimizer={shard_optimizer!r} with axis_name={axis_name!r}:"

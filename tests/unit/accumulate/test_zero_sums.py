@@ -76,9 +76,6 @@ def test_check_names_the_argument(kwargs, named):
     _check(**kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: zero_sums.check passes shard_optimizer to validation."
-    "check_axis_name, whose error names axis_name"))
 @pytest.mark.parametrize("shard_optimizer", [3, (), ("data", 1)])
 def test_a_bad_shard_optimizer_is_named_as_such(shard_optimizer):
   with pytest.raises(TypeError, match="shard_optimizer"):
