@@ -125,7 +125,6 @@ class Step(NamedTuple):
   def __call__(self, updates, state, params, num_tokens, emit, extra_args,
                apply):
     state_lib.check_state(updates, state, params)
-    _check_params(params, state.grad_sum, self.axis_name is not None)
     validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
     if extra_args and not self.takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
@@ -139,6 +138,9 @@ class Step(NamedTuple):
         updates, num_tokens, tokens,
         window_args.checked_value(extra_args, self.value_fn_over_window))
     step = layout.add(incoming, state, params, self.settings)
+    # The updates are checked against the state first (layout.add), then
+    # the params: a mistake in both is named where it starts.
+    _check_params(params, state.grad_sum, self.axis_name is not None)
     micro_step = optax.safe_increment(state.micro_step)
     emit = _should_emit(
         emit, micro_step, _cycle_length(self.every_k, state.count), layout)
