@@ -27,7 +27,7 @@ import report
 KEY = "p"
 TITLE = "First step: trace + lower + compile of a donated micro-step"
 CONFIGS = {
-    "full": {"blocks": 48, "size": 64, "reps": 5},
+    "full": {"blocks": 48, "size": 64, "reps": 9},
     "quick": {"blocks": 24, "size": 64, "reps": 3},
     "toy": {"blocks": 2, "size": 8, "reps": 1},
 }

@@ -38,9 +38,11 @@ import jax.numpy as jnp
 SCOPE = "optax_accum_at_most_once"
 
 
-def per_compiler(branched: Callable[[], Any], looped: Callable[[], Any]) -> Any:
-  """``looped()`` on GPUs, ``branched()`` on TPU and CPU, by the platform
-  the program is lowered for (``lax.platform_dependent``).
+def per_compiler(branched: Callable[[], Any], looped: Callable[[], Any],
+                 cpu: Callable[[], Any] | None = None) -> Any:
+  """``looped()`` on GPUs, ``branched()`` on TPU and CPU (or ``cpu()``
+  there, given one), by the platform the program is lowered for
+  (``lax.platform_dependent``).
 
   For the emit choice where what it hands back rides in the carry
   (``accumulate/emit.py``): on a GPU a conditional copies what it passes
@@ -48,7 +50,8 @@ def per_compiler(branched: Callable[[], Any], looped: Callable[[], Any]) -> Any:
   MiB, adamw, 16 MiB of parameters), on the CPU it ran a k = 8 adamw cycle
   1.7x slower.
   """
-  return lax.platform_dependent(tpu=branched, cpu=branched, default=looped)
+  return lax.platform_dependent(tpu=branched, cpu=cpu or branched,
+                                default=looped)
 
 
 def run_if(pred: jax.Array, body: Callable[..., Any], init: Any,

@@ -131,7 +131,8 @@ def test_the_gpu_programs_loop_gives_the_cpu_programs_result(
   branched = _trajectory(opt, call)
   calls = []
   monkeypatch.setattr(conditional_loops, "per_compiler",
-                      lambda branched, looped: calls.append(1) or looped())
+                      lambda branched, looped, cpu=None: calls.append(1)
+                      or looped())
   looped = _trajectory(opt, call)
   assert calls  # the loop was taken.
   jax.tree.map(np.testing.assert_array_equal, looped, branched)

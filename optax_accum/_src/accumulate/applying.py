@@ -28,6 +28,13 @@ def _keep(params, updates):
   return params
 
 
+def _select_add(emitted, applied, params):
+  """``applied`` where ``emitted``, else ``params`` bit for bit: one pass,
+  elementwise, the select fused into the add."""
+  return jax.tree.map(lambda a, p: None if p is None else jnp.where(
+      emitted, a, p), applied, params, is_leaf=lambda x: x is None)
+
+
 def _check_like_params(params: Any, updates: Any) -> None:
   """Refuses updates that are not shaped like the parameters."""
   is_none = lambda x: x is None
@@ -80,9 +87,12 @@ def apply_if_updated(
   (on GPUs a loop of at most one trip, whose carry XLA keeps in place):
   on a non-emitting micro-step (whose updates are all zeros) the parameters
   are not read, added to or written; with the parameters donated to the
-  jitted train step, XLA passes their buffers through in place. The result is
-  that of ``optax.apply_updates(params, updates)`` whenever the call emitted
-  (each leaf in its parameter's dtype), and ``params`` itself otherwise.
+  jitted train step, XLA passes their buffers through in place. On the CPU
+  it is a select fused into the add instead (one pass over the parameters,
+  in place): there a conditional's operand is allocated afresh on every
+  call. The result is that of ``optax.apply_updates(params, updates)``
+  whenever the call emitted (each leaf in its parameter's dtype), and
+  ``params`` itself, bit for bit, otherwise.
 
   The updates are an operand of that conditional, so the micro-step holds
   a buffer of them (one parameter-sized buffer above ``optax.MultiSteps``'s
@@ -132,12 +142,15 @@ def apply_if_updated(
   found = state_access.accumulate_states(state, "state")[0]
   _check_pairing(params, updates, found)
   emitted = state_access.first_state(state, "state").emitted
+  apply = jax.jit(optax.apply_updates)  # one trace for the three variants.
   # On GPUs a loop of at most one trip: XLA's GPU compiler copies the
-  # parameters a conditional passes through; a loop's carry it keeps.
+  # parameters a conditional passes through; a loop's carry it keeps. On
+  # the CPU a select fused into the add: a conditional's operand would be
+  # allocated afresh on every call (page faults: 3.5x the floor's time).
   return conditional_loops.per_compiler(
-      lambda: lax.cond(emitted, optax.apply_updates, _keep, params, updates),
-      lambda: conditional_loops.run_if(emitted, optax.apply_updates, params,
-                                       updates))
+      lambda: lax.cond(emitted, apply, _keep, params, updates),
+      lambda: conditional_loops.run_if(emitted, apply, params, updates),
+      cpu=lambda: _select_add(emitted, apply(params, updates), params))
 
 
 _SIGNATURE = ("oa.update_and_apply(tx, grads, state, params, *,"
