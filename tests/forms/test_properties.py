@@ -30,10 +30,13 @@ BATCH_SIZES = (4, 8)
 NUM_MICROBATCHES = (1, 2, 4, 8)
 RTOL, ATOL = 1e-5, 1e-6
 
+# Derandomized: CI runs the same examples on every run (a random search
+# found the case test_tokens_only_in_the_last_micro_batch records).
 SETTINGS = hypothesis.settings(
     max_examples=25,
     deadline=None,
     database=None,
+    derandomize=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
 
@@ -171,6 +174,15 @@ def test_value_and_grad_matches_full_batch(case, loss_name):
     loss, grads = _oa_value_and_grad(loss_name, k)(params, batch)
   np.testing.assert_allclose(loss, expected_loss, rtol=RTOL, atol=ATOL)
   helpers.assert_trees_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "found by a random search on 2026-11-28, also on e1d1040: with tokens in"
+    " the last of 4 micro-batches only, two gradient elements of 'w1' are"
+    " 1.2e-3 off the full batch's (1.8e-6 absolute); not looked into yet"))
+def test_tokens_only_in_the_last_micro_batch():
+  test_value_and_grad_matches_full_batch.hypothesis.inner_test(
+      case=(4, 4, (0, 0, 0, 1), 0), loss_name="mean")
 
 
 @SETTINGS
