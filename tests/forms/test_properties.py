@@ -176,10 +176,11 @@ def test_value_and_grad_matches_full_batch(case, loss_name):
   helpers.assert_trees_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+@pytest.mark.xfail(strict=False, raises=AssertionError, reason=(
     "found by a random search on 2026-11-28, also on e1d1040: with tokens in"
     " the last of 4 micro-batches only, two gradient elements of 'w1' are"
-    " 1.2e-3 off the full batch's (1.8e-6 absolute); not looked into yet"))
+    " 1.2e-3 off the full batch's (1.8e-6 absolute) with jax 0.10.2; it"
+    " passes with jax 0.9.1 (not strict); not looked into yet"))
 def test_tokens_only_in_the_last_micro_batch():
   test_value_and_grad_matches_full_batch.hypothesis.inner_test(
       case=(4, 4, (0, 0, 0, 1), 0), loss_name="mean")
