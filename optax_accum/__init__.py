@@ -41,6 +41,10 @@ from optax_accum._src.microbatch.value_and_grad import (
 from optax_accum._src.rules.noise_scale import GradStats as GradStats
 from optax_accum._src.tools.hlo import CollectiveCounts as CollectiveCounts
 from optax_accum._src.tools.hlo import count_collectives as count_collectives
+from optax_accum._src.tools.overlap import (
+    reduction_overlap as reduction_overlap,
+)
+from optax_accum._src.tools.overlap import ReductionOverlap as ReductionOverlap
 from optax_accum._src.tools.planner import Plan as Plan
 from optax_accum._src.tools.planner import (
     plan_microbatches as plan_microbatches,
@@ -62,6 +66,7 @@ __all__ = (
     "CollectiveCounts",
     "GradStats",
     "Plan",
+    "ReductionOverlap",
     "ShardingReport",
     "TrainStepCheck",
     "accumulate",
@@ -78,6 +83,7 @@ __all__ = (
     "plan_microbatches",
     "reduced_state",
     "reducible_layers",
+    "reduction_overlap",
     "sharding_report",
     "state_partition_specs",
     "tokens_seen",

@@ -143,8 +143,12 @@ save one). Nothing below ``update_call.sum_layout_of`` asks which form it is in.
 on ``hlo_text``'s parser of compiled HLO), ``self_check``
 (``check_train_step``: judges what ``step_reading`` reads on the same
 parser, the micro-batch loop's trip count and where the gradient is
-reduced), ``planner`` (``plan_microbatches``, on ``planner_step``'s step
-and ``memory_analysis``'s reading of a compiled program's memory),
+reduced), ``overlap`` (``reduction_overlap``: in the scheduled order,
+whether each gradient reduction is asynchronous and starts before the last
+matrix multiply, on the same parser and ``matmul_flops``' count of the
+matrix multiplies), ``planner`` (``plan_microbatches``, on
+``planner_step``'s step and ``memory_analysis``'s reading of a compiled
+program's memory),
 ``state_specs`` (``state_partition_specs``, ``reduced_state``: an
 ``accumulate`` state laid out for a shard_map or a checkpoint).
 

@@ -1,0 +1,82 @@
+"""SPEC 13 (issue 51): ``oa.reduction_overlap`` on programs compiled for 8
+compile-only TPU v5e chips and 8 H100s.
+
+The program (``tests/support/overlap_worker.py``): a 4-layer MLP of
+f32[256, 256] weights, data parallel in a ``shard_map``, k = 4 micro-batches
+in a ``lax.scan`` and one ``psum`` per leaf after it (the hand-written scan),
+against the same with the last micro-batch taken out of the scan. XLA can
+start a leaf's reduction during the last backward only in the second, and
+only if it issues the reduction asynchronously and does not combine the
+leaves' reductions into one. Each TPU program with flags of its own is
+compiled in a child process: libtpu reads ``LIBTPU_INIT_ARGS`` once, when it
+loads. Skipped, saying why, without libtpu (or, for the H100s, the CUDA
+plugin and ptxas).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import helpers
+import optax_accum as oa
+import overlap_worker
+from zoo import compile_only as co
+
+WORKER = helpers.SUPPORT / "overlap_worker.py"
+_NEEDS_TPU = pytest.mark.skipif(co.missing_tpu() is not None,
+                                reason=co.missing_tpu() or "")
+_NEEDS_GPU = pytest.mark.skipif(co.missing_gpu() is not None,
+                                reason=co.missing_gpu() or "")
+
+
+def _child_report(platform: str, **env: str) -> dict:
+  done = subprocess.run([sys.executable, str(WORKER), platform],
+                        capture_output=True, text=True, check=False,
+                        env=helpers.worker_env(**env), timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads(done.stdout.splitlines()[-1])
+
+
+def _assert_peeled_overlaps(report: dict) -> None:
+  """The scan's reductions all after its loop; the peeled step's, but the
+  first layer's (its gradient is the backward's last), started before the
+  last matrix multiply, asynchronous, each beside a matrix multiply."""
+  assert report["scan"]["share"] == 0.0, report["scan"]
+  peeled = report["peeled"]
+  assert len(peeled["reductions"]) == overlap_worker.LAYERS, peeled
+  assert peeled["share"] == pytest.approx(
+      (overlap_worker.LAYERS - 1) / overlap_worker.LAYERS), peeled
+  overlapped = [r for r in peeled["reductions"] if r[1] and r[2]]
+  assert overlapped and all(flops > 0 for *_, flops in overlapped), peeled
+
+
+@_NEEDS_TPU
+def test_tpu_default_flags_reduce_after_the_last_matmul():
+  """libtpu's defaults combine the leaves' all-reduces into one synchronous
+  all-reduce after the last matrix multiply, scan or not."""
+  for peeled in (False, True):
+    compiled = overlap_worker.compile_mlp(co.tpu_devices(), peeled)
+    report = oa.reduction_overlap(compiled)
+    assert report == oa.reduction_overlap(compiled.as_text())
+    assert report.overlapped_share == 0.0, (peeled, str(report))
+    assert not any(r.asynchronous for r in report.reductions), str(report)
+
+
+@_NEEDS_TPU
+def test_tpu_async_collective_fusion_overlaps_the_peeled_reduction():
+  """With XLA TPU's asynchronous all-reduce fusions and no combining
+  (overlap_worker.TPU_OVERLAP_FLAGS), 3 of the 4 leaves' reductions start
+  before the last backward's last matrix multiply."""
+  _assert_peeled_overlaps(_child_report(
+      "tpu", LIBTPU_INIT_ARGS=overlap_worker.TPU_OVERLAP_FLAGS))
+
+
+@_NEEDS_GPU
+def test_h100_overlaps_the_peeled_reduction_without_combining():
+  """XLA's GPU compiler issues all-reduce-start/done; without combining
+  (at these sizes its combiner merges the 4 leaves into one), the peeled
+  step's start before the last matrix multiply."""
+  _assert_peeled_overlaps(_child_report(
+      "gpu", JAX_PLATFORMS="cpu", XLA_FLAGS=overlap_worker.GPU_OVERLAP_FLAGS))

@@ -1,0 +1,112 @@
+"""A data-parallel MLP step, its micro-batches in a scan or its last one
+taken out, compiled for 8 chips and read by ``oa.reduction_overlap`` (not
+a test).
+
+Usage: python overlap_worker.py tpu|gpu
+
+test_overlap_compiled.py runs it in a child process where the compiler's
+flags differ from its own (``LIBTPU_INIT_ARGS`` is read once, when libtpu
+loads; ``XLA_FLAGS`` when jax starts) and for GPUs, which the CUDA plugin
+offers compile-only only to a process that starts jax on the CPU platform.
+It prints one JSON line: each variant's report (:func:`summary`).
+"""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import optax_accum as oa
+from zoo import compile_only as co
+
+K = 4
+LAYERS = 4
+DIM = 256
+BATCH = 256  # 8 rows per device and micro-batch on 8 devices.
+# What makes XLA's TPU compiler (libtpu 0.0.42.1) overlap the reductions: its
+# asynchronous all-reduce fusions, and no combining of all-reduces (its
+# combiner otherwise merges the leaves' into one, synchronous). Measured in
+# docs/performance.md.
+TPU_OVERLAP_FLAGS = (
+    "--xla_tpu_enable_async_collective_fusion=true"
+    " --xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true"
+    " --xla_enable_async_all_reduce=true"
+    " --xla_jf_crs_combiner_threshold_count=1")
+# XLA's GPU compiler issues all-reduces asynchronously by default; at these
+# sizes (256 KiB a leaf) it combines the leaves' unless told not to.
+GPU_OVERLAP_FLAGS = "--xla_gpu_all_reduce_combine_threshold_bytes=0"
+
+
+def _loss(params, batch):
+  x, y = batch
+  for w in params:
+    x = jnp.tanh(x @ w)
+  return jnp.mean((x - y) ** 2)
+
+
+def _local_step(peeled: bool):
+  """Each device's k micro-batches in a ``lax.scan`` (``peeled``: k - 1 of
+  them, the last one's value_and_grad added after it), then a ``psum`` per
+  leaf, as the hand-written scan and MaxText's do."""
+  grad_fn = jax.value_and_grad(_loss)
+
+  def step(params, batch):
+    params = jax.lax.pcast(params, "data", to="varying")  # own gradients.
+    micro = jax.tree.map(lambda b: b.reshape(K, -1, b.shape[-1]), batch)
+
+    def body(carry, mb):
+      loss, grads = grad_fn(params, mb)
+      return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zero = (jax.lax.pcast(jnp.zeros(()), "data", to="varying"),
+            jax.tree.map(jnp.zeros_like, params))
+    looped = K - 1 if peeled else K
+    total, _ = jax.lax.scan(
+        body, zero, jax.tree.map(lambda b: b[:looped], micro))
+    if peeled:
+      last = grad_fn(params, jax.tree.map(lambda b: b[looped], micro))
+      total = jax.tree.map(jnp.add, total, last)
+    loss, grads = total
+    return jax.lax.psum(loss, "data"), [jax.lax.psum(g, "data") for g in grads]
+
+  return step
+
+
+def compile_mlp(devices, peeled: bool):
+  """The step of :func:`_local_step` in a shard_map over 8 ``devices``."""
+  mesh = co.mesh(devices, (8,), ("data",))
+  params = co.abstract([jax.ShapeDtypeStruct((DIM, DIM), jnp.float32)]
+                       * LAYERS, mesh, [P()] * LAYERS)
+  batch = co.abstract((jax.ShapeDtypeStruct((BATCH, DIM), jnp.float32),) * 2,
+                      mesh, (P("data"),) * 2)
+  step = jax.shard_map(_local_step(peeled), mesh=mesh,
+                       in_specs=(P(), P("data")), out_specs=(P(), P()))
+  with jax.set_mesh(mesh):
+    return jax.jit(step).lower(params, batch).compile()
+
+
+def summary(compiled) -> dict:
+  """What the tests check of ``oa.reduction_overlap(compiled)``."""
+  report = oa.reduction_overlap(compiled)
+  return {
+      "share": report.overlapped_share,
+      "reductions": [[r.nbytes, r.asynchronous, r.starts_before_last_matmul,
+                      r.flops_between] for r in report.reductions],
+      "line": str(report),
+      "peak_bytes": compiled.memory_analysis().peak_memory_in_bytes,
+  }
+
+
+def report(devices) -> dict:
+  return {name: summary(compile_mlp(devices, peeled))
+          for name, peeled in (("scan", False), ("peeled", True))}
+
+
+if __name__ == "__main__":
+  if sys.argv[1] == "gpu":
+    jax.config.update("jax_platforms", "cpu")  # before any backend starts.
+    print(json.dumps(report(co.gpu_devices())))
+  else:
+    print(json.dumps(report(co.tpu_devices())))
