@@ -42,8 +42,11 @@ def _child_report(platform: str, **env: str) -> dict:
 def _assert_peeled_overlaps(report: dict) -> None:
   """The scan's reductions all after its loop; the peeled step's, but the
   first layer's (its gradient is the backward's last), started before the
-  last matrix multiply, asynchronous, each beside a matrix multiply."""
+  last matrix multiply, asynchronous, each beside a matrix multiply;
+  oa.count_collectives counts each once."""
   assert report["scan"]["share"] == 0.0, report["scan"]
+  for variant in ("scan", "peeled"):  # one per leaf, none combined.
+    assert report[variant]["all_reduces"] == overlap_worker.LAYERS, report
   peeled = report["peeled"]
   assert len(peeled["reductions"]) == overlap_worker.LAYERS, peeled
   assert peeled["share"] == pytest.approx(

@@ -96,6 +96,9 @@ def summary(compiled) -> dict:
                       r.flops_between] for r in report.reductions],
       "line": str(report),
       "peak_bytes": compiled.memory_analysis().peak_memory_in_bytes,
+      # Counted once each, however XLA splits them into start and done.
+      "all_reduces": oa.count_collectives(
+          compiled, include_scalars=False).total.get("all-reduce", 0),
   }
 
 

@@ -27,8 +27,6 @@ from optax_accum._src.tools import step_reading
 
 _REDUCTIONS = step_reading.REDUCTIONS
 _CALLS = re.compile(r"\bcalls=%?([^\s,)]+)")
-_CHAIN_ID = re.compile(r'\bchain_id="(\d+)"')
-_TPU_ASYNC = re.compile(r'custom_call_target="AsyncCollective(Start|Done)"')
 # XLA's GPU compiler turns a start and done with nothing between them back
 # into a synchronous collective, saying so in the start's backend config.
 _IS_SYNC = re.compile(r'"is_sync":true')
@@ -146,14 +144,12 @@ def _event(opcode: str, rest: str, line: str, entry: str,
     return None
   if opcode == "async-start":
     return _Event("start", name, found)
-  tpu_async = [m.group(1) for _, _, inner in computations[callee.group(1)]
-               if (m := _TPU_ASYNC.search(inner))]
-  chain = _CHAIN_ID.search(found.rest)
-  if not tpu_async or chain is None:
+  role = hlo_text.async_fusion_role(callee.group(1), computations)
+  chain = hlo_text.chain_id(found.rest)
+  if role is None or chain is None:
     return None  # a continuation: compute with the collective's next steps.
-  role = "start" if tpu_async[0] == "Start" else "done"
-  return _Event(role, f"chain {chain.group(1)}",
-                found if role == "start" else None)
+  return _Event(role.lower(), f"chain {chain}",
+                found if role == "Start" else None)
 
 
 def _spans(entry: str, computations: dict[str, Any]):

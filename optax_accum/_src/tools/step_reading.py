@@ -156,7 +156,8 @@ def reductions(instructions, computations, loop_names, emitting,
     collective = hlo_text._OPCODE_TO_COLLECTIVE.get(inst.opcode)
     if inst.scatter is not None and collective == "all-reduce":
       collective = "reduce-scatter"  # XLA's TPU reduce-scatter fusion.
-    if collective not in REDUCTIONS:
+    if collective not in REDUCTIONS or hlo_text.is_chain_copy(
+        inst.rest, inst.computation, computations):
       continue
     shapes = hlo_text._result_shapes(inst.scatter or inst.line)
     if hlo_text.is_scalar_sum(inst.rest, shapes, inst.computation,

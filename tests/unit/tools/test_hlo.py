@@ -232,6 +232,55 @@ def test_xla_tpu_reduce_scatter_fusion_is_a_reduce_scatter():
   assert [c.collective for c in hlo.collectives(single)] == ["reduce-scatter"]
 
 
+# XLA TPU's asynchronous all-reduce (libtpu 0.0.42.1, with
+# --xla_tpu_enable_async_collective_fusion...): start, a continuation (the
+# next weight gradient's convolution) and done, each with a copy of it.
+_TPU_ASYNC_ALL_REDUCE = """\
+%start (p: f32[64]) -> (f32[64], u32[]) {
+  %p = f32[64] parameter(0)
+  %ar.1 = f32[64] all-reduce(%p), replica_groups={}, CHAIN
+  ROOT %s = (f32[64], u32[]) custom-call(%ar.1), TARGET="Start"
+}
+
+%next (p: f32[64], x: f32[8,64], w: f32[64,64]) -> (f32[64], f32[8,64]) {
+  %p = f32[64] parameter(0)
+  %x = f32[8,64] parameter(1)
+  %w = f32[64,64] parameter(2)
+  %c = f32[8,64] convolution(%x, %w), dim_labels=bf_io->bf
+  %ar.2 = f32[64] all-reduce(%p), replica_groups={}, CHAIN
+  ROOT %t = (f32[64], f32[8,64]) tuple(%p, %c)
+}
+
+%done (p: f32[64], q: u32[]) -> f32[64] {
+  %p = f32[64] parameter(0)
+  %q = u32[] parameter(1)
+  %ar.3 = f32[64] all-reduce(%p), replica_groups={}, CHAIN
+  ROOT %d = f32[64] custom-call(%p, %q, %ar.3), TARGET="Done"
+}
+
+ENTRY %main (g: f32[64], x: f32[8,64], w: f32[64,64]) -> f32[64] {
+  %acs = (f32[64], u32[]) fusion(%g), kind=kCustom, calls=%start
+  %a = f32[64] get-tuple-element(%acs), index=0
+  %b = u32[] get-tuple-element(%acs), index=1
+  %cont = (f32[64], f32[8,64]) fusion(%a, %x, %w), calls=%next
+  %e = f32[64] get-tuple-element(%cont), index=0
+  ROOT %acd = f32[64] fusion(%e, %b), kind=kCustom, calls=%done
+}""".replace("CHAIN", 'frontend_attributes={chain_id="0"}').replace(
+    'TARGET="', 'custom_call_target="AsyncCollective')
+
+
+def test_xla_tpu_asynchronous_all_reduce_counts_once():
+  """Its chain runs the all-reduce once: counted at the start, not again in
+  the continuation and the done (oa.reduction_overlap pairs them)."""
+  counts = oa.count_collectives(_TPU_ASYNC_ALL_REDUCE)
+  assert counts.total == {"all-reduce": 1}
+  [found] = hlo.collectives(_TPU_ASYNC_ALL_REDUCE)
+  assert found.nbytes == 64 * 4
+  # The same all-reduces, untagged, are three.
+  untagged = _TPU_ASYNC_ALL_REDUCE.replace('chain_id="0"', 'x="0"')
+  assert oa.count_collectives(untagged).total == {"all-reduce": 3}
+
+
 def test_by_axes_splits_the_places_of_every_collective():
   """Groups absent or {} mean every device: all axes of size above 1."""
   mesh = jax.sharding.AbstractMesh((2, 1, 4), ("data", "fsdp", "model"))
