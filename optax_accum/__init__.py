@@ -49,6 +49,10 @@ from optax_accum._src.tools.planner import Plan as Plan
 from optax_accum._src.tools.planner import (
     plan_microbatches as plan_microbatches,
 )
+from optax_accum._src.tools.saved_state import (
+    checkpointable_state as checkpointable_state,
+)
+from optax_accum._src.tools.saved_state import restored_state as restored_state
 from optax_accum._src.tools.self_check import (
     check_train_step as check_train_step,
 )
@@ -73,6 +77,7 @@ __all__ = (
     "add_bias",
     "apply_if_updated",
     "check_train_step",
+    "checkpointable_state",
     "count_collectives",
     "coupled_value_and_grad",
     "device_local",
@@ -84,6 +89,7 @@ __all__ = (
     "reduced_state",
     "reducible_layers",
     "reduction_overlap",
+    "restored_state",
     "sharding_report",
     "state_partition_specs",
     "tokens_seen",

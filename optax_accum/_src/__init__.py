@@ -136,8 +136,10 @@ falls back.
 ``state_access.py`` reads a state (``find_accumulate_state``,
 ``has_updated``, ``grad_stats``, ``tokens_seen``); ``applying.py`` applies
 its updates (``apply_if_updated``, ``update_and_apply``);
-``tools/state_specs.py`` gives a state's specs and ``reduced_state`` (to
-save one). Nothing below ``update_call.sum_layout_of`` asks which form it is in.
+``tools/state_specs.py`` gives a state's specs and ``reduced_state``;
+``tools/saved_state.py`` saves one mid-cycle as it lies
+(``checkpointable_state``, ``restored_state``). Nothing below
+``update_call.sum_layout_of`` asks which form it is in.
 
 **tools/**: opt-in, off every hot path. ``hlo`` (``count_collectives``,
 on ``hlo_text``'s parser of compiled HLO), ``self_check``
@@ -150,7 +152,9 @@ matrix multiplies), ``planner`` (``plan_microbatches``, on
 ``planner_step``'s step and ``memory_analysis``'s reading of a compiled
 program's memory),
 ``state_specs`` (``state_partition_specs``, ``reduced_state``: an
-``accumulate`` state laid out for a shard_map or a checkpoint).
+``accumulate`` state laid out for a shard_map or a checkpoint),
+``saved_state`` (``checkpointable_state``, ``restored_state``: each
+device's partial sum in its own slot of a checkpoint, and back).
 
 The same words name the forms in both families: *single* (no data axis),
 *manual* (data axes made manual: shard_map, pmap), *typed* (Explicit data

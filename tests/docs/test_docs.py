@@ -133,9 +133,10 @@ PRINTED = {
     "docs/reduced_leaves.md": ["4 4", "()"],
     # adamw's moments in shards: the one-call step's, the per-micro-step
     # state's (the parameters replicated), nnx.Optimizer's and TrainState's;
-    # then ZeRO-2's reduce-scatters per call, as oa.check_train_step reads.
+    # a mid-window checkpoint resumed bit for bit; then ZeRO-2's
+    # reduce-scatters per call, as oa.check_train_step reads.
     "docs/zero.md": ["(2, 32)", "float32[16@data,32] float32[16,32]",
-                     "float32[16@data,8]", "float32[16@data,32]",
+                     "float32[16@data,8]", "float32[16@data,32]", "True",
                      "{'reduce-scatter': 2}"],
     # The plateau logic's best value, the window's mean loss.
     "docs/composing.md": [],

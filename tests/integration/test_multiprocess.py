@@ -12,10 +12,6 @@ per device), exact against adamw on the full batch.
 
 import collections
 import json
-import socket
-import subprocess
-import sys
-import time
 
 import jax
 import numpy as np
@@ -31,47 +27,12 @@ TIMEOUT_S = 150
 WORKER = helpers.SUPPORT / "multiprocess_worker.py"
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _run_workers(tmp_path):
-  """Starts the processes, waits for all, kills all on failure or timeout."""
-  env = helpers.worker_env(JAX_PLATFORMS="cpu")
-  port = _free_port()
+  """Runs the processes once; each writes its results to a JSON file."""
   outs = [tmp_path / f"process_{i}.json" for i in range(NUM_PROCESSES)]
-  logs = [open(tmp_path / f"process_{i}.log", "w")
-          for i in range(NUM_PROCESSES)]
-  processes = [
-      subprocess.Popen(
-          [sys.executable, str(WORKER), str(i), str(NUM_PROCESSES), str(port),
-           str(outs[i])],
-          env=env, stdout=logs[i], stderr=subprocess.STDOUT,
-      )
-      for i in range(NUM_PROCESSES)
-  ]
-  deadline = time.monotonic() + TIMEOUT_S
-  try:
-    for process in processes:
-      process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-  except subprocess.TimeoutExpired:
-    pass
-  finally:
-    for process in processes:
-      if process.poll() is None:
-        process.kill()
-        process.wait()
-    for log in logs:
-      log.close()
-  failed = [
-      f"process {i} exited with {p.returncode}:\n"
-      + (tmp_path / f"process_{i}.log").read_text()[-3000:]
-      for i, p in enumerate(processes)
-      if p.returncode != 0
-  ]
-  assert not failed, "\n".join(failed)
+  helpers.run_workers(
+      WORKER, lambda i, port: (i, NUM_PROCESSES, port, outs[i]),
+      NUM_PROCESSES, tmp_path, TIMEOUT_S)
   return [json.loads(out.read_text()) for out in outs]
 
 

@@ -9,7 +9,8 @@
 - Micro-batches: the contiguous split that ``oa.value_and_grad`` makes.
 - Tree comparison: one helper for "close", one for "bit for bit".
 - The runner of a Markdown file's ```python blocks (README, docs).
-- The environment of the worker scripts next to this file.
+- The environment of the worker scripts next to this file, and their runner
+  (several JAX processes on loopback).
 """
 
 import argparse
@@ -19,7 +20,10 @@ import itertools
 import os
 import pathlib
 import re
+import socket
+import subprocess
 import sys
+import time
 import types
 
 import chex
@@ -423,6 +427,76 @@ def worker_env(**overrides: str) -> dict[str, str]:
       p for p in (str(ROOT), str(SUPPORT), os.environ.get("PYTHONPATH", ""))
       if p)
   return env
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_workers(worker: pathlib.Path, args_of, num_processes: int,
+                log_dir: pathlib.Path, timeout_s: float) -> None:
+  """Runs ``num_processes`` JAX processes of ``worker`` on loopback.
+
+  Process ``i`` gets the arguments ``args_of(i, port)`` (``port``: the
+  coordinator's, free on 127.0.0.1). Waits for all, kills all on failure or
+  timeout, and fails with each failed process's log.
+  """
+  env = worker_env(JAX_PLATFORMS="cpu")
+  port = _free_port()
+  names = [log_dir / f"{worker.stem}_{i}.log" for i in range(num_processes)]
+  logs = [open(name, "w") for name in names]
+  processes = [
+      subprocess.Popen(
+          [sys.executable, str(worker), *map(str, args_of(i, port))],
+          env=env, stdout=logs[i], stderr=subprocess.STDOUT)
+      for i in range(num_processes)
+  ]
+  deadline = time.monotonic() + timeout_s
+  try:
+    for process in processes:
+      process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+  except subprocess.TimeoutExpired:
+    pass
+  finally:
+    for process in processes:
+      if process.poll() is None:
+        process.kill()
+        process.wait()
+    for log in logs:
+      log.close()
+  failed = [f"process {i} exited with {p.returncode}:\n"
+            + names[i].read_text()[-3000:]
+            for i, p in enumerate(processes) if p.returncode != 0]
+  assert not failed, "\n".join(failed)
+
+
+def zero_mlp_loss(params, batch):
+  """The ZeRO tests' MLP, ``tanh(x @ w1) @ w2 + sum(odd)``: the masked mean
+  of its squared errors (``odd``'s 3 values divide by no data size)."""
+  pred = jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"] + jnp.sum(
+      params["odd"])
+  err = batch["mask"] * (pred - batch["y"]) ** 2
+  return err.sum() / jnp.maximum(batch["mask"].sum(), 1.0)
+
+
+def deferred_micro_step(loss_fn, tx):
+  """docs/zero.md's one jit call per micro-batch: a
+  ``gradient_sync="deferred"`` gradient into ``tx.update``, then
+  ``oa.apply_if_updated``; ``(params, state, batch) -> (params, state)``."""
+  grad_fn = oa.value_and_grad(loss_fn, num_microbatches=1,
+                              num_tokens_fn=num_tokens,
+                              gradient_sync="deferred")
+
+  @jax.jit
+  def micro_step(params, state, batch):
+    _, grads = grad_fn(params, batch)
+    updates, state = tx.update(grads, state, params,
+                               num_tokens=num_tokens(batch))
+    return oa.apply_if_updated(params, updates, state), state
+
+  return micro_step
 
 
 def clipped_adamw(updates: int):

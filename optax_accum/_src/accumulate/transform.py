@@ -122,8 +122,8 @@ def accumulate(
   PyTorch DDP's ``no_sync`` loop, one jit call per micro-batch) need no
   ``axis_name``: their type says over which axes, the running sum keeps it
   from the first such call on, and ``num_tokens`` is the batch's global
-  count. Save :func:`optax_accum.reduced_state` of such a state in a
-  mid-cycle checkpoint. The forms are told in ``docs/distributed.md``.
+  count. Save :func:`optax_accum.checkpointable_state` of such a state in
+  a mid-cycle checkpoint. The forms are told in ``docs/distributed.md``.
 
   Args:
     inner: the optimizer to run on the accumulated gradient.

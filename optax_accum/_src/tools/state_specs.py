@@ -1,8 +1,9 @@
-"""The specs of :func:`optax_accum.accumulate`'s state, and a state to save.
+"""The specs of :func:`optax_accum.accumulate`'s state, and a state reduced.
 
 Opt-in, off the hot path: :func:`state_partition_specs` lays a state out for
 a ``jax.shard_map``'s specs or a checkpoint's target; :func:`reduced_state`
-reduces the running sums kept unreduced, before a mid-cycle save.
+reduces the running sums kept unreduced (a mid-cycle save to restore on
+another number of devices; ``saved_state.py`` saves them as they are).
 """
 
 from typing import Any
@@ -124,7 +125,7 @@ def state_partition_specs(
   are no slots: each leaf's spec is read off its type (``P()`` where it has
   none), for checkpoint targets. A running sum typed unreduced (unreduced
   gradients under jit) has no such spec: save
-  :func:`optax_accum.reduced_state` of it instead.
+  :func:`optax_accum.checkpointable_state` of it instead.
 
   Args:
     state: an optimizer state containing an :class:`AccumulateState` (or
@@ -213,9 +214,12 @@ def _typed_specs(state: Any) -> Any:
           f"state{jax.tree_util.keystr(path)} is typed {jax.typeof(x)}:"
           " unreduced over the data axes (the running sum of unreduced"
           " gradients under jit), which has no partition spec to save or"
-          " restore. Take optax_accum.reduced_state(state) under jax.jit"
-          " first (one reduction) and save that; accumulate resumes from"
-          " it exactly."
+          " restore. Save optax_accum.checkpointable_state(state) instead"
+          " (each device's partial sum in its own slot, nothing moves) and"
+          " restore it with optax_accum.restored_state: accumulate resumes"
+          " bit for bit. To restore on another number of devices, save"
+          " optax_accum.reduced_state(state) (one all-reduce, under"
+          " jax.jit; it resumes to float32 rounding)."
       )
     entries = list(readers.partitions(full))
     while entries and entries[-1] is None:
@@ -233,10 +237,13 @@ def reduced_state(state: Any) -> Any:
   unreduced over the data axes across calls: each device's partial sum.
   Such an array cannot be fetched or saved. This reshards each of them to
   its parameter's sharding (one all-reduce, so call it under
-  :func:`jax.jit`, e.g. before a mid-cycle checkpoint); every other leaf is
-  returned as it is. ``accumulate`` resumes from the result exactly (to
-  float32 rounding): the next call puts each whole sum back on one device of
-  the data axes, zeros on the others, which moves nothing.
+  :func:`jax.jit`); every other leaf is returned as it is. ``accumulate``
+  resumes from the result to float32 rounding: the next call puts each whole
+  sum back on one device of the data axes, zeros on the others, which moves
+  nothing, but the emit then sums the partials in another order. For a
+  mid-cycle checkpoint that resumes bit for bit, with no collective, save
+  :func:`optax_accum.checkpointable_state` instead; this one serves a
+  restore on another number of devices.
 
   Args:
     state: an optimizer state (or any pytree) holding

@@ -3,10 +3,11 @@
 With ``axis_name``, the slots get the axis (beside their parameter's spec),
 every subtree shaped like the parameters gets ``param_specs`` and the rest
 is replicated; without it each leaf's spec is read off its type, and a sum
-typed unreduced is refused in favour of ``reduced_state``, which reduces
-what is unreduced and nothing else. (The specs in a shard_map over a 2-D
-mesh are tested in ``tests/forms/test_distributed.py``; a checkpoint of a
-reduced state in ``tests/forms/test_accumulate_typed.py``.)
+typed unreduced is refused in favour of ``checkpointable_state`` (or
+``reduced_state``, which reduces what is unreduced and nothing else). (The
+specs in a shard_map over a 2-D mesh are tested in
+``tests/forms/test_distributed.py``; mid-cycle checkpoints in
+``tests/forms/test_accumulate_typed.py`` and ``test_saved_state.py``.)
 """
 
 import jax
@@ -129,7 +130,8 @@ def _typed_state():
 def test_an_unreduced_sum_has_no_spec_and_reduced_state_gives_it_one():
   state, total = _typed_state()
   with pytest.raises(ValueError, match=r"state\.grad_sum\['w'\] is typed"
-                     r" .*unreduced.*optax_accum\.reduced_state\(state\)"):
+                     r" .*unreduced.*Save optax_accum\.checkpointable_state"
+                     r"\(state\).*optax_accum\.reduced_state\(state\)"):
     oa.state_partition_specs(state)
   with jax.set_mesh(accumulate_parts.explicit_mesh()):
     saved = jax.jit(oa.reduced_state)(state)
