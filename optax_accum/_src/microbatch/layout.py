@@ -132,6 +132,12 @@ class Layout(Protocol):
   def after_loop(self, total: Any, rules: list[str] | None) -> Any:
     """The loop's gradient sums made ready for :meth:`reduce`."""
 
+  def reduces_gradients(self) -> bool:
+    """Whether :meth:`reduce` sums gradients over devices: then the loop's
+    last micro-batch runs after the loop (SPEC 13), so that each leaf's
+    reduction may start as soon as its sum is final, beside the rest of
+    that backward pass."""
+
   def reduce(self, partials: Partials) -> Partials:
     """The one reduction over the data axes (the identity without one)."""
 
@@ -198,6 +204,9 @@ class SingleLayout(NamedTuple):
   def after_loop(self, total, rules):
     del rules
     return total
+
+  def reduces_gradients(self):
+    return False
 
   def reduce(self, partials):
     return partials

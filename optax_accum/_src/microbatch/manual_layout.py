@@ -185,6 +185,12 @@ class ManualLayout(NamedTuple):
     return grad_reduction_lib.max_over_devices(
         total, rules, self.axis_name, keep_on_one_device=True)
 
+  def reduces_gradients(self):
+    """All but a deferred sum of parameters sharded over no data axis."""
+    return (self.policy.gradient_sync != fsdp.DEFERRED
+            or any(_is_sharded(s) for s in jax.tree.leaves(
+                self.specs, is_leaf=lambda x: isinstance(x, P))))
+
   def reduce(self, partials):
     """Sums the partials over the data axes: the one reduction of a call."""
     grads, sums = self._finish(partials.grads, partials.sums)

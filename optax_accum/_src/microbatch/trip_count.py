@@ -8,6 +8,8 @@
 ``k`` trips, none if no micro-batch has tokens (:func:`run_borrowing`).
 """
 
+from collections.abc import Callable
+import os
 from typing import Any
 
 import jax
@@ -18,6 +20,67 @@ from jax.sharding import PartitionSpec as P
 from optax_accum._src import conditional_loops
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import readers
+
+# The named scope of the last micro-batch where it runs after the loop
+# (:func:`peeled`): the readers of compiled programs count it as a trip.
+PEELED_SCOPE = "optax_accum_last_microbatch"
+
+
+def peeled(num_microbatches: int, reduces: bool) -> bool:
+  """Whether the last micro-batch may run after the loop (SPEC 13).
+
+  Inside the loop, the one reduction after it waits for the whole last
+  backward pass; after it, each leaf's reduction may start as soon as that
+  backward has produced the leaf's last gradient (the last layers' first),
+  and XLA's latency-hiding scheduler runs it beside the rest of the
+  backward (Megatron-LM's ``overlap_grad_reduce``). Only where the call
+  reduces gradients over devices (``reduces``), and only on the compilers
+  that overlap (:func:`where_it_overlaps`): elsewhere the second copy of the
+  loop's body costs compile time and program memory for nothing. Not for
+  one micro-batch: there is no loop.
+  """
+  return reduces and num_microbatches > 1
+
+
+# LIBTPU_INIT_ARGS that make XLA's TPU compiler issue each leaf's all-reduce
+# asynchronously (docs/performance.md, "Hiding the one reduction"): all of
+# them, and a combiner that merges no two (a merged one stays synchronous).
+TPU_OVERLAP_FLAGS = (
+    "--xla_tpu_enable_async_collective_fusion=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true",
+    "--xla_enable_async_all_reduce=true",
+)
+
+
+def tpu_overlaps() -> bool:
+  """Whether this process gave libtpu the flags that overlap all-reduces:
+  :data:`TPU_OVERLAP_FLAGS` in ``LIBTPU_INIT_ARGS``, and the combiner kept
+  to one leaf (``--xla_jf_crs_combiner_threshold_count=1``, or
+  ``--xla_jf_crs_combiner_threshold_in_bytes=``)."""
+  given = os.environ.get("LIBTPU_INIT_ARGS", "").split()
+  return all(flag in given for flag in TPU_OVERLAP_FLAGS) and any(
+      flag == "--xla_jf_crs_combiner_threshold_count=1"
+      or flag.startswith("--xla_jf_crs_combiner_threshold_in_bytes=")
+      for flag in given)
+
+
+def where_it_overlaps(plain: Callable[[], Any],
+                      last_after: Callable[[], Any]) -> Any:
+  """``last_after()`` where the compiler the program is lowered for can
+  overlap the reduction with it, else ``plain()``
+  (``lax.platform_dependent``: only the one lowered is compiled).
+
+  XLA's GPU compiler issues each all-reduce and reduce-scatter as an
+  asynchronous start and done and schedules compute between them. The CPU
+  runs collectives synchronously; so does XLA's TPU compiler unless
+  :func:`tpu_overlaps`, its combiner merging the gradient's all-reduces
+  into one. There the copy of the loop's body would add program memory
+  (TPU v5e: 4.1 to 7.2 MiB of code at CI's size, 9% of its peak) and hide
+  nothing.
+  """
+  return lax.platform_dependent(
+      cpu=plain, tpu=last_after if tpu_overlaps() else plain,
+      default=last_after)
 
 
 def check_num_real(num_real: Any, num_microbatches: int) -> jax.Array | None:
@@ -44,10 +107,16 @@ def check_num_real(num_real: Any, num_microbatches: int) -> jax.Array | None:
   return jnp.clip(jnp.asarray(num_real, jnp.int32), 1, num_microbatches)
 
 
-def run_borrowing(step, init, runs, num_microbatches, num_real):
+def run_borrowing(step, init, runs, num_microbatches, num_real,
+                  last_step=None):
   """The loop of :mod:`borrowing`: it runs no micro-batch at all if every
   count is zero (their zero seeds would meet 0/0); ``runs`` says
   (``borrowing.plan``: a bad count runs it, to reach the sums).
+
+  With ``last_step`` (the step of the last trip, from the loop's result) the
+  last micro-batch runs after the loop (:func:`peeled`), whatever ``runs``
+  says: if every count is zero its sums may be NaN, with
+  a token count of zero, which ``token_weighting.mean`` reads as zeros.
 
   It outputs nothing per micro-batch (borrowing applies only where nothing
   is stacked): the values' dtype and the (leafless) stacked aux are read
@@ -55,34 +124,54 @@ def run_borrowing(step, init, runs, num_microbatches, num_real):
   """
   seen = []
 
-  def body(carry, index):
-    carry, (value, stacked) = step(carry, index)
-    if jax.tree.leaves(stacked):
-      raise AssertionError("borrowing stacks nothing per micro-batch.")
-    seen.append((value.dtype, stacked))
-    return carry
+  def body_of(step):
+    def body(carry, index):
+      carry, (value, stacked) = step(carry, index)
+      if jax.tree.leaves(stacked):
+        raise AssertionError("borrowing stacks nothing per micro-batch.")
+      seen.append((value.dtype, stacked))
+      return carry
+    return body
 
+  body = body_of(step)
+  peel = last_step is not None
+  looped = num_microbatches - 1 if peel else num_microbatches
   if num_real is None:
-    carry = conditional_loops.trips_if(runs, body, num_microbatches,
-                                       init)
+    carry = conditional_loops.trips_if(runs, body, looped, init)
+    last = jnp.int32(num_microbatches - 1)
   else:  # a traced count: no reverse mode, as run_microbatches's.
-    carry = conditional_loops.trips(
-        body, jnp.where(runs, 0, num_real), num_real, init)
+    stop = num_real - 1 if peel else num_real
+    carry = conditional_loops.trips(body, jnp.where(runs, 0, stop), stop,
+                                    init)
+    last = num_real - 1
+  if peel:
+    with jax.named_scope(PEELED_SCOPE):
+      carry = body_of(last_step(carry))(carry, last)
   dtype, stacked = seen[-1]
   return carry, (jax.ShapeDtypeStruct((num_microbatches,), dtype), stacked)
 
 
-def run_microbatches(step, init, num_microbatches, num_real):
+def run_microbatches(step, init, num_microbatches, num_real,
+                     last_step=None):
   """``lax.scan(step, init, arange(k))``, or only the first ``num_real``.
 
   With ``num_real`` the loop is a ``lax.fori_loop`` with that traced trip
   count (an XLA while loop: the micro-batches past it are not computed, and
   another count needs no recompilation); the outputs of the skipped
-  micro-batches are zeros.
+  micro-batches are zeros. With ``last_step`` (the step of the last trip,
+  from the loop's result) the last micro-batch (the ``num_real``-th) runs
+  after the loop (:func:`peeled`).
   """
   indices = jnp.arange(num_microbatches)
-  if num_real is None:
+  if num_real is None and last_step is None:
     return lax.scan(step, init, indices)
+  if num_real is None:
+    carry, outs = lax.scan(step, init, indices[:-1])
+    with jax.named_scope(PEELED_SCOPE):
+      carry, last = last_step(carry)(carry, jnp.int32(num_microbatches - 1))
+    return carry, jax.tree.map(
+        lambda xs, x: jnp.concatenate([xs, x[None]]), outs, last)
+
   def zeros(shape):
     spec = readers.explicit_spec(shape)
     buffer = jnp.zeros(
@@ -95,11 +184,17 @@ def run_microbatches(step, init, num_microbatches, num_real):
   stacked = jax.tree.map(
       zeros, jax.eval_shape(lambda: step(init, indices[0])[1]))
 
-  def body(index, state):
-    carry, stacked = state
-    carry, out = step(carry, index)
-    return carry, jax.tree.map(
-        lambda buf, x: lax.dynamic_update_index_in_dim(buf, x, index, 0),
-        stacked, out)
+  def body_of(step):
+    def body(index, state):
+      carry, stacked = state
+      carry, out = step(carry, index)
+      return carry, jax.tree.map(
+          lambda buf, x: lax.dynamic_update_index_in_dim(buf, x, index, 0),
+          stacked, out)
+    return body
 
-  return lax.fori_loop(0, num_real, body, (init, stacked))
+  if last_step is None:
+    return lax.fori_loop(0, num_real, body_of(step), (init, stacked))
+  state = lax.fori_loop(0, num_real - 1, body_of(step), (init, stacked))
+  with jax.named_scope(PEELED_SCOPE):
+    return body_of(last_step(state[0]))(num_real - 1, state)

@@ -278,6 +278,11 @@ class TypedLayout(NamedTuple):
     del rules
     return total
 
+  def reduces_gradients(self):
+    """All but a deferred sum of parameters sharded over no data axis."""
+    return (self.policy.gradient_sync != fsdp.DEFERRED
+            or any(r and self._sharded(i) for i, r in enumerate(self.reduced)))
+
   def reduce(self, partials):
     """The one reduction: each sum resharded to its parameter's sharding.
 

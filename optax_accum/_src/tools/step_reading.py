@@ -18,6 +18,7 @@ import jax
 from optax_accum._src.accumulate import transform
 from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import loop as loop_lib
+from optax_accum._src.microbatch import trip_count as trip_count_lib
 from optax_accum._src.tools import hlo
 from optax_accum._src.tools import hlo_text
 
@@ -25,6 +26,8 @@ from optax_accum._src.tools import hlo_text
 # emitting branch, as the op_name metadata of the compiled program has them.
 _LOOP_OP_NAME = re.compile(re.escape(loop_lib.LOOP_SCOPE) + r"/while$")
 _EMIT_SCOPE = transform.EMIT_SCOPE
+# The last micro-batch, where it runs after the loop (SPEC 13): one more trip.
+_PEELED = re.compile(re.escape(trip_count_lib.PEELED_SCOPE) + r"(?:/|$)")
 _OP_NAME = re.compile(r'\bop_name="([^"]*)"')
 _KNOWN_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _INT_CONSTANT = re.compile(r"=\s*[su](?:8|16|32|64)\[\]\S*\s+constant\((\d+)\)")
@@ -130,6 +133,10 @@ def microbatch_loops(instructions, computations,
           not inst.loops))
   loops = list({loop.name: loop for loop in loops}.values())
   if marked := [loop for loop in loops if loop.marked]:
+    if len(marked) == 1 and marked[0].trip_count is not None and any(
+        is_peeled(inst) for inst in instructions):
+      # Its last micro-batch runs after it (SPEC 13).
+      return [marked[0]._replace(trip_count=marked[0].trip_count + 1)]
     return marked
   if num_microbatches == 1:
     return []
@@ -139,11 +146,19 @@ def microbatch_loops(instructions, computations,
   return matching or outermost
 
 
+def is_peeled(inst: Instruction) -> bool:
+  """Whether ``inst`` is the last micro-batch's, run after the loop."""
+  op_name = _OP_NAME.search(inst.rest)
+  return bool(not inst.loops and op_name and _PEELED.search(op_name.group(1)))
+
+
 def place(inst: Instruction, loop_names: set[str],
            emitting: set[str]) -> str:
+  """Where ``inst`` runs: the last micro-batch, run after the loop, counts
+  as in it (once per micro-batch)."""
   if set(inst.branches) & emitting:
     return "in_emitting_branch"
-  if set(inst.loops) & loop_names:
+  if set(inst.loops) & loop_names or (loop_names and is_peeled(inst)):
     return "in_loop"
   return "outside"
 

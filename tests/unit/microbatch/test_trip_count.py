@@ -93,3 +93,68 @@ def test_n_is_checked_concrete_and_clamped_traced():
 def test_a_bad_n_is_named(n, error, match):
   with pytest.raises(error, match=match):
     trip_count.check_num_real(n, K)
+
+
+# The last micro-batch after the loop (SPEC 13): the same results.
+
+
+def _last_step(carry):
+  del carry
+  return _step
+
+
+def test_peeled_scan_gives_the_scans_results_its_last_trip_outside():
+  carry, (tens, floats) = trip_count.run_microbatches(
+      _step, jnp.int32(0), K, None, _last_step)
+  assert int(carry) == 1 + 2 + 3 + 4
+  np.testing.assert_array_equal(tens, [0, 10, 20, 30])
+  np.testing.assert_array_equal(floats, [0.0, 1.0, 2.0, 3.0])
+  jaxpr = jax.make_jaxpr(lambda: trip_count.run_microbatches(
+      _step, jnp.int32(0), K, None, _last_step))()
+  (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  assert scan.params["length"] == K - 1
+
+
+@pytest.mark.parametrize("n", [1, 2, K])
+def test_peeled_with_n_runs_the_nth_after_the_loop(n):
+  run = jax.jit(lambda n: trip_count.run_microbatches(
+      _step, jnp.int32(0), K, n, _last_step))
+  carry, (tens, _) = run(jnp.int32(n))
+  assert int(carry) == sum(range(1, n + 1))
+  np.testing.assert_array_equal(tens, [10 * i if i < n else 0
+                                       for i in range(K)])
+
+
+@pytest.mark.parametrize("n", [None, 2])
+def test_peeled_borrowing_runs_the_last_trip_whatever_runs_says(n):
+  """Where no micro-batch has tokens the last trip runs all the same (its
+  sums are read as zeros: the token count is zero)."""
+  last = jax.jit(lambda runs: trip_count.run_borrowing(
+      _stacks_nothing, jnp.int32(0), runs, K,
+      None if n is None else jnp.int32(n), lambda carry: _stacks_nothing)[0])
+  final = K if n is None else n
+  assert int(last(jnp.bool_(True))) == sum(range(1, final + 1))
+  assert int(last(jnp.bool_(False))) == final
+
+
+def test_the_last_micro_batch_leaves_the_loop_only_where_it_can_overlap():
+  """Only with a reduction after the loop and k > 1; then only on compilers
+  that overlap it: not the CPU, nor a TPU without the flags."""
+  assert not trip_count.peeled(1, True)
+  assert not trip_count.peeled(4, False)
+  assert trip_count.peeled(4, True)
+  out = jax.jit(lambda: trip_count.where_it_overlaps(
+      lambda: jnp.int32(0), lambda: jnp.int32(1)))()
+  assert int(out) == 0  # this test runs on the CPU.
+
+
+def test_tpu_overlaps_only_with_every_flag(monkeypatch):
+  flags = " ".join(trip_count.TPU_OVERLAP_FLAGS)
+  for given, expected in (
+      ("", False), (flags, False),
+      (flags + " --xla_jf_crs_combiner_threshold_count=1", True),
+      (flags + " --xla_jf_crs_combiner_threshold_in_bytes=0", True),
+      (" ".join(trip_count.TPU_OVERLAP_FLAGS[1:])
+       + " --xla_jf_crs_combiner_threshold_count=1", False)):
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", given)
+    assert trip_count.tpu_overlaps() is expected, given

@@ -1,0 +1,158 @@
+"""SPEC 13: the last micro-batch after the loop gives the loop's results.
+
+Where the compiler can overlap the one reduction with the last backward pass
+(GPUs; TPUs with the flags of ``docs/performance.md``) ``oa.value_and_grad``
+runs its last micro-batch after the loop (``trip_count.where_it_overlaps``).
+This machine compiles for the CPU, where it stays in the loop; here it is
+forced out, and the results are checked against the full batch's, as the
+loop's are: uneven tokens, an empty micro-batch, every micro-batch empty,
+a traced count of real micro-batches, aux and model state, per-leaf rules,
+in the typed and the ``shard_map`` forms. The compiled programs it makes on
+TPU and GPU are read in ``tests/compiled/test_overlap_compiled.py``.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import helpers
+import optax_accum as oa
+from optax_accum._src.microbatch import trip_count
+
+K = 4
+N = 8  # simulated devices (tests/conftest.py).
+ROWS, SEQ, DIM = 2 * K * N, 3, 4
+
+
+@pytest.fixture(autouse=True)
+def last_after_the_loop(monkeypatch):
+  """Every call that reduces runs its last micro-batch after the loop."""
+  taken = []
+
+  def overlaps(plain, last_after):
+    del plain
+    taken.append(True)
+    return last_after()
+
+  monkeypatch.setattr(trip_count, "where_it_overlaps", overlaps)
+  return taken
+
+
+def _batch(seed, empty=()):
+  """Uneven token counts; the micro-batches in ``empty`` (of each device's
+  rows) without any."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(0, SEQ + 1, size=ROWS)
+  rows = np.arange(ROWS).reshape(N, K, -1)
+  for i in empty:
+    lengths[rows[:, i].ravel()] = 0
+  return helpers.padded_batch(rng, lengths, SEQ, DIM)
+
+
+def _loss(params, batch):
+  return helpers.safe_mean(helpers.mlp_token_losses(params, batch), batch)
+
+
+def _full_batch(params, batch):
+  return jax.jit(jax.value_and_grad(_loss))(params, batch)
+
+
+def _mesh():
+  return jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
+
+
+def _typed(fn, params, batch, *args):
+  with jax.set_mesh(_mesh()):
+    return jax.jit(fn)(jax.device_put(params, P()),
+                       jax.device_put(batch, P("data")), *args)
+
+
+def _shard_map(fn, params, batch):
+  mesh = _mesh()
+  step = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")),
+                       out_specs=(P(), P()))
+  return jax.jit(step)(
+      jax.device_put(params, jax.NamedSharding(mesh, P())),
+      jax.device_put(batch, jax.NamedSharding(mesh, P("data"))))
+
+
+@pytest.mark.parametrize("empty", [(), (1,), (K - 1,)])
+@pytest.mark.parametrize("form", ["typed", "shard_map"])
+def test_matches_the_full_batch(form, empty, last_after_the_loop):
+  params = helpers.mlp_params(DIM, 8, seed=0)
+  batch = _batch(1, empty)
+  if form == "typed":
+    got = _typed(oa.value_and_grad(_loss, num_microbatches=K,
+                                   num_tokens_fn=helpers.num_tokens),
+                 params, batch)
+  else:
+    got = _shard_map(oa.value_and_grad(
+        _loss, num_microbatches=K, num_tokens_fn=helpers.num_tokens,
+        axis_name="data"), params, batch)
+  assert last_after_the_loop  # it did leave the loop.
+  helpers.assert_trees_close(got, _full_batch(params, batch), rtol=2e-5,
+                             atol=1e-7)
+
+
+@pytest.mark.parametrize("form", ["typed", "shard_map"])
+def test_no_tokens_at_all_gives_zeros_not_nan(form):
+  """The last micro-batch runs even where none has tokens (its sums NaN
+  with a mean loss that divides by zero): the count of zero reads them as
+  zeros."""
+  params = helpers.mlp_params(DIM, 8, seed=0)
+  batch = _batch(2, empty=range(K))
+  loss_fn = lambda p, b: helpers.raw_mean(helpers.mlp_token_losses(p, b), b)
+  kwargs = dict(num_microbatches=K, num_tokens_fn=helpers.num_tokens)
+  if form == "typed":
+    loss, grads = _typed(oa.value_and_grad(loss_fn, **kwargs), params,
+                         batch)
+  else:
+    loss, grads = _shard_map(oa.value_and_grad(loss_fn, axis_name="data",
+                                               **kwargs), params, batch)
+  assert float(loss) == 0.0
+  for g in jax.tree.leaves(grads):
+    np.testing.assert_array_equal(g, np.zeros_like(g))
+
+
+@pytest.mark.parametrize("num_real", [1, 3])
+def test_a_traced_count_of_real_micro_batches(num_real):
+  """The ``num_real``-th runs after the loop; the others are not computed."""
+  params = helpers.mlp_params(DIM, 8, seed=0)
+  batch = _batch(3)
+  fn = oa.value_and_grad(_loss, num_microbatches=K,
+                         num_tokens_fn=helpers.num_tokens)
+  got = _typed(lambda p, b, n: fn(p, b, num_real_microbatches=n), params,
+               batch, jnp.int32(num_real))
+  # The first num_real of each device's K blocks of rows.
+  rows = np.arange(ROWS).reshape(N, K, -1)[:, :num_real].ravel()
+  real = jax.tree.map(lambda x: x[rows], batch)
+  helpers.assert_trees_close(got, _full_batch(params, real), rtol=2e-5,
+                             atol=1e-7)
+
+
+def test_stacked_aux_and_model_state_come_out_in_order():
+  """Each micro-batch's aux in its place (the last one's appended after
+  the loop), and the model state threaded through all k."""
+  params = helpers.mlp_params(DIM, 8, seed=0)
+  batch = _batch(4)
+
+  def loss(params, count, batch):
+    value = _loss(params, batch)
+    return value, (count + 1, helpers.num_tokens(batch))
+
+  fn = oa.value_and_grad(loss, num_microbatches=K, has_state=True,
+                         has_aux=True, num_tokens_fn=helpers.num_tokens)
+  with jax.set_mesh(_mesh()):
+    (value, (count, aux)), grads = jax.jit(fn)(
+        jax.device_put(params, P()), jnp.int32(0),
+        jax.device_put(batch, P("data")))
+  assert int(count) == K
+  rows = np.arange(ROWS).reshape(N, K, -1)
+  tokens = [float(helpers.num_tokens(jax.tree.map(
+      lambda x, i=i: x[rows[:, i].ravel()], batch))) for i in range(K)]
+  np.testing.assert_allclose(np.asarray(aux).ravel(), tokens)
+  helpers.assert_trees_close((value, grads), _full_batch(params, batch),
+                             rtol=2e-5, atol=1e-7)
