@@ -104,7 +104,9 @@ class _Event(NamedTuple):
 def _collective(opcode: str, rest: str, line: str, computation: str,
                 computations: dict[str, Any]) -> _Collective | None:
   """The reduction that an instruction runs itself, or None."""
-  if hlo_text.is_reduce_scatter_fusion(line):  # XLA TPU's reduce-scatter.
+  # XLA TPU's reduce-scatter fusion (a reduce-scatter itself may name the
+  # same emitter in its backend config).
+  if opcode == "fusion" and hlo_text.is_reduce_scatter_fusion(line):
     callee = _CALLS.search(rest)
     inner = _reduction_in(callee.group(1) if callee else "", computations)
     return None if inner is None else inner._replace(

@@ -118,6 +118,19 @@ def test_an_async_start_around_a_reduce_scatter_and_its_updates():
   assert reduction.overlapped and reduction.flops_between == 2 * _DOT_FLOPS
 
 
+def test_a_reduce_scatter_that_names_the_fusion_emitter_is_one():
+  """XLA's TPU compiler (libtpu 0.0.42.1, FSDP) writes some reduce-scatters
+  as the instruction itself, its backend config naming the emitter of its
+  reduce-scatter fusion."""
+  report = oa.reduction_overlap(_module(_DOTS + """\
+  ROOT %rs = f32[8,64] reduce-scatter(%w), replica_groups={}, \
+dimensions={0}, backend_config={"collective_algorithm_config":\
+{"emitter":"SingleInputAllReduceScatterFusion"}}
+"""))
+  assert [(r.collective, r.nbytes) for r in report.reductions] == [
+      ("reduce-scatter", 8 * 64 * 4)]
+
+
 # XLA TPU's spellings, shortened by these placeholders to fit the lines.
 _TPU_CHAIN = """\
 %start_fusion (p0: f32[64,64]) -> (f32[64,64], u32[]) {
