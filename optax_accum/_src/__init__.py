@@ -106,7 +106,9 @@ falls back.
 
   transform.py          the factory (an AccumulateTransformation: init,
    |                    update, update_and_apply); init(): placement.py
-   |                    refuses a wrapper that would skip our update
+   |                    refuses a wrapper that would skip our update;
+   |                    sharded_inner.init_sums lays the sums of Flax's
+   |                    optimizer_sharding Variables out unreduced
   update_call.py        one update call (Step): sum_layout_of(), the form,
    |                    once (the one place it is decided) -> a
    |                    sum_layout.SumLayout:
@@ -118,7 +120,10 @@ falls back.
    |                                under jit)
    |                      ZeRO      zero_sums.ZeroSums (shard_optimizer:
    |                                inner on shards, around the typed or
-   |                                single form's add)
+   |                                single form's add; or, unreduced
+   |                                gradients for an inner state that came
+   |                                sharded, Flax's optimizer_sharding:
+   |                                sharded_inner.layout_of)
    |  add               layout.add(Incoming): microstep.py (the checks,
    |                    the drops, the lazy-reset add; add_on_device for
    |                    the deferred forms) and window_args.py (the extra

@@ -13,7 +13,9 @@ holds its types and every check here passes. The mistakes:
   sharding ``nnx.Optimizer`` would give the state's slot axis
   (:func:`check_slots_fit_params`, at ``tx.init``).
 
-And :func:`unwrap_variables`: an ``nnx.Optimizer``'s state read as arrays.
+And :func:`unwrap_variables`: an ``nnx.Optimizer``'s state read as arrays;
+:func:`optimizer_sharding_axes`: the mesh axes each Variable's
+``optimizer_sharding`` names (ZeRO's, where the parameter is replicated).
 """
 
 import sys
@@ -129,6 +131,41 @@ def check_slots_fit_params(axis_name: Any, params: Any) -> None:
         " jax.shard_map or jax.pmap, on a state built from plain arrays:"
         " tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))."
     )
+
+
+def _spec_axes(sharding: Any) -> tuple[str, ...]:
+  """The mesh axes a spec (a PartitionSpec, a tuple of names, a
+  NamedSharding) names, in order."""
+  spec = getattr(sharding, "spec", sharding)
+  if isinstance(spec, jax.sharding.PartitionSpec):
+    entries = getattr(spec, "partitions", None) or getattr(
+        spec, "_partitions", ())  # jax 0.9: _partitions only.
+  else:
+    entries = spec if isinstance(spec, (tuple, list)) else (spec,)
+  return tuple(name for entry in entries if entry is not None
+               for name in (entry if isinstance(entry, (tuple, list))
+                            else (entry,)))
+
+
+def optimizer_sharding_axes(params: Any) -> list[tuple[str, ...]]:
+  """Per array leaf of ``params``, the mesh axes that its Variable's
+  ``optimizer_sharding`` names (``()`` for a plain array, or a Variable
+  without one).
+
+  ``nnx.Optimizer`` lays out each state leaf built from such a Variable
+  over those axes: with the parameter replicated over them, ZeRO.
+  """
+  nnx = _loaded_nnx()
+  if nnx is None:
+    return [() for _ in jax.tree.leaves(params)]
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  axes = []
+  for leaf in jax.tree.leaves(params, is_leaf=is_variable):
+    named = ()
+    if is_variable(leaf):
+      named = _spec_axes(leaf.get_metadata().get("optimizer_sharding"))
+    axes.extend([named] * len(jax.tree.leaves(leaf)))
+  return axes
 
 
 def _variable_type() -> type | None:

@@ -21,6 +21,7 @@ import pytest
 
 import helpers
 import optax_accum as oa
+from optax_accum._src.tools import hlo
 
 pytestmark = pytest.mark.skipif(
     not hasattr(P(), "unreduced") or not hasattr(jax.sharding, "reshard"),
@@ -348,44 +349,167 @@ def test_sharding_report_names_the_leaves_zero_keeps_whole():
   assert plain.whole_leaves == () and "param_specs=" not in plain.message()
 
 
+class _NnxModel(nnx.Module):
+  """``_params()`` as Params whose ``optimizer_sharding`` shards adamw's
+  moments over 'data' (``odd``'s 3 do not divide by 8: whole)."""
+
+  def __init__(self, optimizer_sharding=True):
+    p = _params()
+    shard = (lambda spec: {"optimizer_sharding": spec}) if (
+        optimizer_sharding) else (lambda spec: {})
+    self.w1 = nnx.Param(p["w1"], **shard(P("data", None)))
+    self.w2 = nnx.Param(p["w2"], **shard(P("data")))
+    self.odd = nnx.Param(p["odd"])
+
+
+def _nnx_values(model):
+  return {"w1": model.w1[...], "w2": model.w2[...], "odd": model.odd[...]}
+
+
+def _nnx_loss(model_or_state, batch):
+  """``_loss`` of a model, or of its State of Params."""
+  return _loss({k: getattr(model_or_state, k)[...]
+                for k in ("w1", "w2", "odd")}, batch)
+
+
+def _nnx_deferred_step(traces):
+  """One nnx.jit call per micro-batch: a gradient_sync="deferred" gradient
+  into optimizer.update; ``traces`` counts the traces."""
+  grad_fn = oa.value_and_grad(_nnx_loss, num_microbatches=1,
+                              num_tokens_fn=_tokens, gradient_sync="deferred")
+
+  @nnx.jit
+  def micro_step(model, optimizer, batch):
+    traces.append(None)
+    _, grads = grad_fn(nnx.state(model, nnx.Param), batch)
+    optimizer.update(model, grads, num_tokens=_tokens(batch))
+
+  return micro_step
+
+
+def _sum_types(optimizer):
+  return jax.tree.map(lambda x: str(jax.typeof(x)),
+                      nnx.as_pure(optimizer.opt_state.grad_sum))
+
+
+needs_optimizer_sharding = pytest.mark.skipif(
+    "optimizer_sharding" not in inspect.getsource(flax_optimizer),
+    reason="this flax's nnx.Optimizer reads no optimizer_sharding")
+
+
+@needs_optimizer_sharding
 def test_nnx_optimizer_sharding_metadata_makes_a_zero_state():
-  """SPEC 12: Variables carrying Flax's ``optimizer_sharding`` give the
-  accumulator and adamw sharded state (no argument of ours); each update's
-  gradient-sized updates are gathered back to the replicated parameters in
-  the emitting branch, and training matches the full batch."""
-  if "optimizer_sharding" not in inspect.getsource(flax_optimizer):
-    pytest.skip("this flax's nnx.Optimizer reads no optimizer_sharding")
+  """SPEC 12: Variables carrying Flax's ``optimizer_sharding`` give adamw
+  sharded state (no argument of ours); each update's gradient-sized updates
+  are gathered back to the replicated parameters in the emitting branch, and
+  training matches the full batch. The running sum is whole (ZeRO-1), each
+  device's partial, from ``init`` on."""
   micro_batches = _micro_batches()
   with jax.set_mesh(_mesh()):
-
-    class Model(nnx.Module):
-
-      def __init__(self):
-        p = _params()
-        self.w1 = nnx.Param(p["w1"], optimizer_sharding=P("data", None))
-        self.w2 = nnx.Param(p["w2"], optimizer_sharding=P("data"))
-        self.odd = nnx.Param(p["odd"])  # 3 does not divide by 8: whole.
-
-    model = Model()
+    model = _NnxModel()
     optimizer = nnx.Optimizer(model, oa.accumulate(_optimizer(), K),
                               wrt=nnx.Param)
+    at_init = _sum_types(optimizer)
 
     @nnx.jit
     def micro_step(model, optimizer, batch):
-      def loss(model):
-        return _loss({"w1": model.w1[...], "w2": model.w2[...],
-                      "odd": model.odd[...]}, batch)
-      optimizer.update(model, nnx.grad(loss)(model),
+      optimizer.update(model, nnx.grad(_nnx_loss)(model, batch),
                        num_tokens=_tokens(batch))
 
     for batch in micro_batches:
       micro_step(model, optimizer, jax.device_put(batch, P("data")))
     mu = optimizer.opt_state.inner_state[1][0].mu
     assert _shard_size(mu["w1"][...]) == 16 * 32 // N
-    assert _shard_size(optimizer.opt_state.grad_sum["w1"][...]) == (
-        16 * 32 // N)
+    assert _sum_types(optimizer) == at_init
+    assert at_init["w1"] == "float32[16,32]{U:data}"
     assert all(e is None for e in jax.typeof(model.w1[...]).sharding.spec)
-    got = {"w1": model.w1[...], "w2": model.w2[...], "odd": model.odd[...]}
+    got = _nnx_values(model)
+  helpers.assert_trees_close(jax.device_get(got), _full_batch(micro_batches),
+                             rtol=2e-5, atol=1e-6)
+
+
+def _nnx_emit_collectives(optimizer_sharding, **zero):
+  """The gradient-sized collectives (kind, result bytes) of the per-call
+  step in its emitting branch and outside it, and the sum's types after
+  init and after a call."""
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    model = _NnxModel(optimizer_sharding)
+    optimizer = nnx.Optimizer(model, oa.accumulate(_optimizer(), K, **zero),
+                              wrt=nnx.Param)
+    at_init = _sum_types(optimizer)
+    step = _nnx_deferred_step([])
+    batch = jax.device_put(_micro_batches()[0], P("data"))
+    compiled = step.lower(model, optimizer, batch).compile()
+    step(model, optimizer, batch)
+    after = _sum_types(optimizer)
+  found = [c for c in hlo.collectives(compiled, mesh) if not c.scalar]
+  emit = sorted((c.collective, c.nbytes) for c in found if c.branched)
+  outside = sorted((c.collective, c.nbytes) for c in found
+                   if not c.branched)
+  return emit, outside, (at_init, after)
+
+
+@needs_optimizer_sharding
+def test_nnx_optimizer_sharding_with_deferred_gradients_is_zero1():
+  """Issue 50 item 1, read from the compiled program: one reduce-scatter per
+  sharded leaf into adamw's shards on emit (only ``odd``'s 12 bytes are
+  all-reduced), one all-gather of its updates, nothing gradient-sized on the
+  other calls; the running sum's type is the same after init and after a
+  call (before: sharded, then whole and unreduced)."""
+  emit, outside, (at_init, after) = _nnx_emit_collectives(True)
+  assert emit == [("all-gather", 32 * 4), ("all-gather", 16 * 32 * 4),
+                  ("all-reduce", 3 * 4), ("reduce-scatter", 32 // N * 4),
+                  ("reduce-scatter", 16 * 32 // N * 4)]
+  assert not outside
+  assert after == at_init
+  assert at_init == {"odd": "float32[3]{U:data}",
+                     "w1": "float32[16,32]{U:data}",
+                     "w2": "float32[32]{U:data}"}
+  # Negative control: without optimizer_sharding the gradient is
+  # all-reduced whole (one tuple all-reduce of every leaf).
+  emit, _, _ = _nnx_emit_collectives(False)
+  assert emit == [("all-reduce", (3 + 16 * 32 + 32) * 4)]
+
+
+@needs_optimizer_sharding
+def test_nnx_optimizer_sharding_zero2_scatters_each_call_into_the_sum():
+  """ZeRO-2 as docs/zero.md says (shard_optimizer and gradient_sync=
+  "every_microbatch" on oa.accumulate) with the same Variables: each call
+  reduce-scatters into the sharded sum, the emit all-reduces ``odd`` only;
+  the sum's type is the same after init and after a call."""
+  emit, outside, (at_init, after) = _nnx_emit_collectives(
+      True, shard_optimizer="data", gradient_sync="every_microbatch")
+  assert outside == [("reduce-scatter", 32 // N * 4),
+                     ("reduce-scatter", 16 * 32 // N * 4)]
+  assert emit == [("all-gather", 32 * 4), ("all-gather", 16 * 32 * 4),
+                  ("all-reduce", 3 * 4)]
+  assert after == at_init
+  assert at_init == {"odd": "float32[3]{U:data}",
+                     "w1": "float32[16@data,32]", "w2": "float32[32@data]"}
+
+
+@needs_optimizer_sharding
+@pytest.mark.parametrize("zero", [
+    {}, {"shard_optimizer": "data", "gradient_sync": "every_microbatch"}])
+def test_nnx_optimizer_sharding_with_deferred_gradients_matches_the_full_batch(
+    zero):
+  """The same per-call loop (ZeRO-1, and ZeRO-2), two updates of uneven
+  tokens (an empty micro-batch): the full batch's parameters, adamw's
+  moments in 1/N, one trace of the step for every call."""
+  micro_batches = _micro_batches()
+  traces = []
+  with jax.set_mesh(_mesh()):
+    model = _NnxModel()
+    optimizer = nnx.Optimizer(model, oa.accumulate(_optimizer(), K, **zero),
+                              wrt=nnx.Param)
+    step = _nnx_deferred_step(traces)
+    for batch in micro_batches:
+      step(model, optimizer, jax.device_put(batch, P("data")))
+    mu = optimizer.opt_state.inner_state[1][0].mu
+    assert _shard_size(mu["w1"][...]) == 16 * 32 // N
+    got = _nnx_values(model)
+  assert len(traces) == 1
   helpers.assert_trees_close(jax.device_get(got), _full_batch(micro_batches),
                              rtol=2e-5, atol=1e-6)
 

@@ -218,3 +218,20 @@ def test_the_state_gets_optimizer_sharding_before_the_variables_own():
 
 def test_without_axis_name_sharded_variables_are_accepted():
   flax_nnx.check_slots_fit_params(None, _sharded_params())
+
+
+def test_optimizer_sharding_axes_are_read_per_array_leaf():
+  """The axes ``optimizer_sharding`` names, for a spec, a tuple of names or
+  a NamedSharding; none for a plain array or a Variable without one."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"),
+                       axis_types=(AxisType.Explicit,) * 2)
+  params = nnx.State({
+      "a": nnx.Param(jnp.zeros((4, 2)),
+                     optimizer_sharding=P(("data", "model"), None)),
+      "b": nnx.Param(jnp.zeros(4), optimizer_sharding=("data",)),
+      "c": nnx.Param(jnp.zeros(4), optimizer_sharding=jax.NamedSharding(
+          mesh, P(None))),
+      "d": nnx.Param(jnp.zeros(4)),
+      "e": jnp.zeros(4)})
+  assert flax_nnx.optimizer_sharding_axes(params) == [
+      ("data", "model"), ("data",), (), (), ()]

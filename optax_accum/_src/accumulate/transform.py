@@ -10,6 +10,7 @@ from optax_accum._src import flax_nnx
 from optax_accum._src import validation
 from optax_accum._src.accumulate import emit as emit_lib
 from optax_accum._src.accumulate import placement
+from optax_accum._src.accumulate import sharded_inner
 from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import update_call
@@ -268,10 +269,13 @@ def accumulate(
     # Raises unless grad_reduction fits the params.
     grad_reduction_lib.rules_per_leaf(grad_reduction, params)
     if zero is None:
-      return state_lib.init_state(inner.init(params), params,
-                                  accumulator_dtype, axis_name, with_stats)
-    return zero_sums.init_state(zero, inner, params, accumulator_dtype,
-                                with_stats)
+      state = state_lib.init_state(inner.init(params), params,
+                                   accumulator_dtype, axis_name, with_stats)
+    else:
+      state = zero_sums.init_state(zero, inner, params, accumulator_dtype,
+                                   with_stats)
+    return state._replace(grad_sum=sharded_inner.init_sums(
+        state.grad_sum, params, zero.data_axes if zero else ()))
 
   step = update_call.Step(inner, every_k, axis_name, zero, settings,
                           takes_extra_args, value_fn_over_window,

@@ -17,6 +17,7 @@ import optax
 from optax_accum._src import validation
 from optax_accum._src.accumulate import emit as emit_lib
 from optax_accum._src.accumulate import local_sums
+from optax_accum._src.accumulate import sharded_inner
 from optax_accum._src.accumulate import slot_sums
 from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
@@ -67,11 +68,13 @@ def _should_emit(emit, micro_step, length, layout):
 
 def sum_layout_of(axis_name: readers.AxisName | None,
                   zero: zero_sums.Zero | None, updates: Any,
-                  grad_sum: Any) -> sum_layout.SumLayout:
+                  grad_sum: Any, inner_state: Any) -> sum_layout.SumLayout:
   """The form of one ``update`` call (at trace time): where its sums live.
 
   The one place the form is decided; ``init`` lays the state out by the
-  same settings (``axis_name``, ``shard_optimizer``).
+  same settings (``axis_name``, ``shard_optimizer``, Flax's
+  ``optimizer_sharding``). Unreduced gradients for an ``inner`` state that
+  came sharded over their axes take ZeRO-1 on its shards.
   """
   typed = typed_sums.is_typed(updates, grad_sum)
   if zero is not None:
@@ -79,7 +82,10 @@ def sum_layout_of(axis_name: readers.AxisName | None,
     base = typed_sums.TypedSums() if typed else local_sums.SingleSums()
     return zero_sums.ZeroSums(zero.data_axes, zero.gradient_sync, base)
   if axis_name is None:
-    return typed_sums.TypedSums() if typed else local_sums.SingleSums()
+    if not typed:
+      return local_sums.SingleSums()
+    return (sharded_inner.layout_of(inner_state, updates, grad_sum)
+            or typed_sums.TypedSums())
   if axes.is_bound(axis_name):
     return local_sums.ManualSums(axis_name)
   # axis_name under jit: init laid the state out in slots.
@@ -129,7 +135,7 @@ class Step(NamedTuple):
     if extra_args and not self.takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
     layout = sum_layout_of(self.axis_name, self.zero, updates,
-                           state.grad_sum)
+                           state.grad_sum, state.inner_state)
     if num_tokens is None:
       tokens = self.missing_count.count()  # warned once the call is checked.
     else:

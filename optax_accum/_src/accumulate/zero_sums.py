@@ -114,12 +114,16 @@ class ZeroSums(NamedTuple):
   ``base`` is the layout the gradients come in by (the typed form's for
   unreduced gradients, the single form's for reduced ones, which a sharded
   sum takes its slice of); ZeRO-2 scatters unreduced ones itself.
+  ``shards``, a tree of specs like the sums, lays out the shards: those of
+  an ``inner`` state that came sharded (:mod:`sharded_inner`), or where
+  None those :func:`zero.zero_specs` gives.
   """
 
   data_axes: tuple[str, ...]
   gradient_sync: str
   base: Any  # typed_sums.TypedSums or local_sums.SingleSums.
   local: bool = False
+  shards: Any = None
 
   def add(self, incoming: sum_layout.Incoming, state, params, settings):
     if self.gradient_sync == ONCE or self.base.local:
@@ -156,7 +160,9 @@ class ZeroSums(NamedTuple):
 
   def reduced(self, cycle: sum_layout.Cycle, rules) -> sum_layout.Cycle:
     del rules
-    specs = zero.zero_specs(cycle.grad_sum, self.data_axes)
+    specs = self.shards
+    if specs is None:
+      specs = zero.zero_specs(cycle.grad_sum, self.data_axes)
 
     def to_shard(s, spec):
       if readers.unreduced_axes(s):  # ZeRO-1: the one reduce-scatter.

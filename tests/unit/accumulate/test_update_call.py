@@ -31,10 +31,10 @@ def _unreduced():
 
 
 def test_without_a_mesh_the_form_is_single():
-  assert update_call.sum_layout_of(None, None, WHOLE, WHOLE) == (
+  assert update_call.sum_layout_of(None, None, WHOLE, WHOLE, ()) == (
       local_sums.SingleSums())
   with pytest.raises(ValueError, match=r"shard_optimizer=\('data',\)"):
-    update_call.sum_layout_of(None, ZERO1, WHOLE, WHOLE)
+    update_call.sum_layout_of(None, ZERO1, WHOLE, WHOLE, ())
 
 
 @accumulate_parts.needs_unreduced_types
@@ -42,22 +42,30 @@ def test_under_jit_the_types_and_the_settings_decide():
   with jax.set_mesh(accumulate_parts.explicit_mesh()):
     partials = _unreduced()
     decide = update_call.sum_layout_of
-    assert decide(None, None, partials, WHOLE) == typed_sums.TypedSums()
-    assert decide(None, None, WHOLE, partials) == typed_sums.TypedSums()
-    assert decide(None, None, WHOLE, WHOLE) == local_sums.SingleSums()
-    assert decide("data", None, partials, WHOLE) == slot_sums.SlotSums(
+    assert decide(None, None, partials, WHOLE, ()) == typed_sums.TypedSums()
+    assert decide(None, None, WHOLE, partials, ()) == typed_sums.TypedSums()
+    assert decide(None, None, WHOLE, WHOLE, ()) == local_sums.SingleSums()
+    assert decide("data", None, partials, WHOLE, ()) == slot_sums.SlotSums(
         "data")
-    assert decide(None, ZERO1, partials, WHOLE) == zero_sums.ZeroSums(
+    assert decide(None, ZERO1, partials, WHOLE, ()) == zero_sums.ZeroSums(
         ("data",), zero_sums.ONCE, typed_sums.TypedSums())
-    assert decide(None, ZERO1, WHOLE, WHOLE) == zero_sums.ZeroSums(
+    assert decide(None, ZERO1, WHOLE, WHOLE, ()) == zero_sums.ZeroSums(
         ("data",), zero_sums.ONCE, local_sums.SingleSums())
+    # An inner state sharded over the gradients' unreduced axes (Flax's
+    # optimizer_sharding): ZeRO-1 on its shards.
+    rows = {"w": accumulate_parts.unreduced_from_slots(
+        jax.device_put(np.ones((N, N), np.float32), P("data")))}
+    moments = {"w": jax.device_put(jnp.zeros(N), P("data"))}
+    assert decide(None, None, rows, rows, moments) == (
+        zero_sums.ZeroSums(("data",), zero_sums.ONCE, typed_sums.TypedSums(),
+                           shards={"w": P("data")}))
 
 
 def test_inside_shard_map_the_form_is_manual():
   layouts = []
 
   def per_device(x):
-    layouts.append(update_call.sum_layout_of("data", None, WHOLE, WHOLE))
+    layouts.append(update_call.sum_layout_of("data", None, WHOLE, WHOLE, ()))
     return x
 
   mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))

@@ -1,0 +1,85 @@
+"""``sharded_inner``: ZeRO-1 read off an ``inner`` state that came sharded.
+
+The layout is found where a state leaf shaped like the sums (adam's moments)
+shards one over the axes its gradient is unreduced over, with that leaf's
+spec as the shard (not ``zero_specs``'); nothing is found without unreduced
+types or sharded state. ``init_sums`` lays out the sums of Flax Variables
+carrying ``optimizer_sharding`` unreduced, as an update leaves them.
+"""
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+
+import accumulate_parts
+from accumulate_parts import N
+import helpers
+from optax_accum._src.accumulate import sharded_inner
+from optax_accum._src.accumulate import sum_layout
+from optax_accum._src.accumulate import typed_sums
+from optax_accum._src.accumulate import zero_sums
+
+pytestmark = accumulate_parts.needs_unreduced_types
+
+PARTS = {"w": np.arange(N * 2 * N, dtype=np.float32).reshape(N, 2, N),
+         "odd": np.arange(N * 3, dtype=np.float32).reshape(N, 3)}
+
+
+def _partials():
+  """Typed unreduced over "data": device i's part is PARTS' row i."""
+  return {k: accumulate_parts.unreduced_from_slots(
+      jax.device_put(v, P("data"))) for k, v in PARTS.items()}
+
+
+def _adam_state(specs):
+  """adam's state with its moments laid out by ``specs``."""
+  params = {"w": jnp.zeros((2, N)), "odd": jnp.zeros(3)}
+  return optax.adam(1.0).init(jax.tree.map(jax.sharding.reshard, params,
+                                           specs))
+
+
+def test_the_moments_shards_are_the_emits_targets():
+  with jax.set_mesh(accumulate_parts.explicit_mesh()):
+    partials = _partials()
+    # w's moments are sharded on their second dimension: zero_specs would
+    # pick the first, which 8 does not divide.
+    state = _adam_state({"w": P(None, "data"), "odd": P()})
+    layout = sharded_inner.layout_of(state, partials, partials)
+    assert layout == zero_sums.ZeroSums(
+        ("data",), zero_sums.ONCE, typed_sums.TypedSums(),
+        shards={"w": P(None, "data"), "odd": P(None)})
+    cycle = sum_layout.Cycle(partials, jnp.float32(1.0), None, None)
+    reduced = jax.jit(layout.reduced, static_argnums=1)(cycle, None)
+    assert jax.typeof(reduced.grad_sum["w"]).sharding.spec == P(None, "data")
+    assert not jax.typeof(reduced.grad_sum["odd"]).sharding.spec.unreduced
+  helpers.assert_trees_equal(reduced.grad_sum, jax.tree.map(
+      lambda x: x.sum(0), PARTS))
+
+
+def test_nothing_is_found_without_sharded_state_or_unreduced_types():
+  with jax.set_mesh(accumulate_parts.explicit_mesh()):
+    partials = _partials()
+    whole = jax.tree.map(jnp.zeros_like, {"w": jnp.zeros((2, N)),
+                                          "odd": jnp.zeros(3)})
+    replicated = _adam_state({"w": P(), "odd": P()})
+    sharded = _adam_state({"w": P(None, "data"), "odd": P()})
+    assert sharded_inner.layout_of(replicated, partials, partials) is None
+    assert sharded_inner.layout_of(sharded, whole, whole) is None
+    assert sharded_inner.layout_of((), partials, partials) is None
+
+
+def test_init_sums_of_optimizer_sharding_variables_are_unreduced():
+  with jax.set_mesh(accumulate_parts.explicit_mesh()):
+    params = nnx.State({
+        "w": nnx.Param(jnp.ones((N, 2)), optimizer_sharding=P("data", None)),
+        "odd": nnx.Param(jnp.ones(3))})
+    sums = sharded_inner.init_sums(jax.tree.map(jnp.zeros_like, params),
+                                   params)
+    plain = {"w": jnp.zeros((N, 2))}
+    assert sharded_inner.init_sums(plain, plain) is plain
+  assert {k: str(jax.typeof(v)) for k, v in sums.items()} == {
+      "w": "float32[8,2]{U:data}", "odd": "float32[3]{U:data}"}
+  assert not any(isinstance(v, nnx.Variable) for v in sums.values())
