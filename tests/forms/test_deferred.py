@@ -23,6 +23,7 @@ import pytest
 
 import helpers
 import optax_accum as oa
+from optax_accum._src.mesh import readers
 
 pytestmark = pytest.mark.skipif(
     not hasattr(P(), "unreduced") or not hasattr(jax.sharding, "reshard"),
@@ -149,6 +150,38 @@ def test_accumulate_reduces_once_per_update_exactly():
   assert counts.outside == {"all-reduce": 1}, counts
   # The one outside is a scalar's; the gradient's is in the branch.
   assert _all_reduce_sizes(compiled)[0] == 1
+
+
+@pytest.mark.parametrize("axis_name", [None, "data"])
+@pytest.mark.parametrize("apply", ["update_and_apply", "tx.update"])
+def test_the_state_after_a_call_reduces_only_when_it_emits(apply, axis_name):
+  """The program of every call after the first (the sum now typed
+  unreduced, as the README's recipe has it, without axis_name): no
+  gradient-sized collective outside the emitting branch. update_and_apply's
+  emit in a loop of at most one trip had XLA all-reduce the unreduced sum
+  before the loop, on every call."""
+  tx = oa.accumulate(optax.adamw(1e-3), every_k=K, axis_name=axis_name)
+  grad_fn = _grad_fn()
+
+  @jax.jit
+  def micro_step(params, state, batch):
+    _, grads = grad_fn(params, batch)
+    count = helpers.num_tokens(batch)
+    if apply == "update_and_apply":
+      return oa.update_and_apply(tx, grads, state, params, num_tokens=count)
+    updates, state = tx.update(grads, state, params, num_tokens=count)
+    return optax.apply_updates(params, updates), state
+
+  with jax.set_mesh(_mesh()):
+    params = jax.device_put(_params(), P())
+    batch = jax.device_put(_micro_batches(1)[0], P("data"))
+    params, state = micro_step(params, tx.init(params), batch)
+    if axis_name is None:
+      assert readers.unreduced_axes(state.grad_sum["w1"]) == {"data"}
+    compiled = micro_step.lower(params, state, batch).compile()
+  counts = oa.count_collectives(compiled, include_scalars=False)
+  assert counts.in_branch == {"all-reduce": 1}, counts
+  assert counts.outside == {} and counts.in_loop == {}, counts
 
 
 def test_naive_loop_reduces_the_gradient_on_every_call():
