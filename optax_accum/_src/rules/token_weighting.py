@@ -190,20 +190,16 @@ def mean(total: Any, token_count: jax.Array, like: Any) -> Any:
   unreduced (each device's partial) is divided on each device: JAX has no
   unreduced rule for division.
   """
+  safe_count = jnp.where(token_count == 0, jnp.ones_like(token_count),
+                         token_count)
+
   def divide(s, x):
     def local(s, count):
-      # Zeros where the count is zero, whatever the sum holds: the loop's
-      # last micro-batch, run after it (trip_count.peeled) where every
-      # count is zero, may leave NaN there. The selects fuse into the
-      # division.
-      empty = count == 0
-      safe = jnp.where(empty, jnp.ones_like(count), count).astype(s.dtype)
-      mean = jnp.where(empty, jnp.zeros([], s.dtype), s / safe)
-      return mean.astype(jnp.result_type(x))
+      return (s / count.astype(s.dtype)).astype(jnp.result_type(x))
 
     if not readers.unreduced_axes(s):
-      return local(s, token_count)
+      return local(s, safe_count)
     return manual.on_own_partials(
-        local, (s, token_count), readers.full_spec(s))
+        local, (s, safe_count), readers.full_spec(s))
 
   return jax.tree.map(divide, total, like)

@@ -126,15 +126,19 @@ def test_peeled_with_n_runs_the_nth_after_the_loop(n):
 
 
 @pytest.mark.parametrize("n", [None, 2])
-def test_peeled_borrowing_runs_the_last_trip_whatever_runs_says(n):
-  """Where no micro-batch has tokens the last trip runs all the same (its
-  sums are read as zeros: the token count is zero)."""
+def test_peeled_borrowing_gives_zeros_where_none_runs(n):
+  """Where no micro-batch has tokens the last trip runs all the same after
+  the loop, and its sums (NaN, perhaps) are replaced by zeros."""
+  nan_step = lambda carry, index: (
+      carry + jnp.where(index == K - 1, jnp.nan, index + 1.0),
+      (index.astype(jnp.bfloat16), ()))
   last = jax.jit(lambda runs: trip_count.run_borrowing(
-      _stacks_nothing, jnp.int32(0), runs, K,
-      None if n is None else jnp.int32(n), lambda carry: _stacks_nothing)[0])
+      nan_step, jnp.float32(0), runs, K,
+      None if n is None else jnp.int32(n), lambda carry: nan_step)[0])
   final = K if n is None else n
-  assert int(last(jnp.bool_(True))) == sum(range(1, final + 1))
-  assert int(last(jnp.bool_(False))) == final
+  expected = np.nan if final == K else sum(range(1, final + 1))
+  np.testing.assert_array_equal(last(jnp.bool_(True)), expected)
+  assert float(last(jnp.bool_(False))) == 0.0
 
 
 def test_the_last_micro_batch_leaves_the_loop_only_where_it_can_overlap():
