@@ -29,7 +29,8 @@ ROWS, SEQ, DIM = 2 * K * N, 3, 4
 
 @pytest.fixture(autouse=True)
 def last_after_the_loop(monkeypatch):
-  """Every call that reduces runs its last micro-batch after the loop."""
+  """Every call that reduces runs its last micro-batch after the loop (and
+each test's does)."""
   taken = []
 
   def overlaps(plain, last_after):
@@ -38,7 +39,8 @@ def last_after_the_loop(monkeypatch):
     return last_after()
 
   monkeypatch.setattr(trip_count, "where_it_overlaps", overlaps)
-  return taken
+  yield taken
+  assert taken, "the last micro-batch did not leave the loop"
 
 
 def _batch(seed, empty=()):
@@ -81,7 +83,7 @@ def _shard_map(fn, params, batch):
 
 @pytest.mark.parametrize("empty", [(), (1,), (K - 1,)])
 @pytest.mark.parametrize("form", ["typed", "shard_map"])
-def test_matches_the_full_batch(form, empty, last_after_the_loop):
+def test_matches_the_full_batch(form, empty):
   params = helpers.mlp_params(DIM, 8, seed=0)
   batch = _batch(1, empty)
   if form == "typed":
@@ -92,7 +94,6 @@ def test_matches_the_full_batch(form, empty, last_after_the_loop):
     got = _shard_map(oa.value_and_grad(
         _loss, num_microbatches=K, num_tokens_fn=helpers.num_tokens,
         axis_name="data"), params, batch)
-  assert last_after_the_loop  # it did leave the loop.
   helpers.assert_trees_close(got, _full_batch(params, batch), rtol=2e-5,
                              atol=1e-7)
 
@@ -156,3 +157,29 @@ def test_stacked_aux_and_model_state_come_out_in_order():
   np.testing.assert_allclose(np.asarray(aux).ravel(), tokens)
   helpers.assert_trees_close((value, grads), _full_batch(params, batch),
                              rtol=2e-5, atol=1e-7)
+
+
+def test_not_where_a_leaf_is_reduced_in_the_loop(last_after_the_loop):
+  """A leaf reduced in each micro-batch (here every one, with
+  gradient_sync="every_microbatch" on sharded parameters) keeps the last
+  micro-batch in the loop: XLA moves such a loop's reductions after it as
+  one, and the last micro-batch's own would be a second."""
+  params = helpers.mlp_params(DIM, N, seed=0)
+  batch = _batch(5)
+  fn = oa.value_and_grad(_loss, num_microbatches=K, axis_name="data",
+                         num_tokens_fn=helpers.num_tokens,
+                         gradient_sync="every_microbatch",
+                         param_specs={"w1": P(None, "data"), "b1": P("data"),
+                                      "w2": P("data")})
+  mesh = _mesh()
+  specs = {"w1": P(None, "data"), "b1": P("data"), "w2": P("data")}
+  step = jax.shard_map(fn, mesh=mesh, in_specs=(specs, P("data")),
+                       out_specs=(P(), specs))
+  got = jax.jit(step)(
+      jax.device_put(params, {k: jax.NamedSharding(mesh, s)
+                              for k, s in specs.items()}),
+      jax.device_put(batch, jax.NamedSharding(mesh, P("data"))))
+  helpers.assert_trees_close(got, _full_batch(params, batch), rtol=2e-5,
+                             atol=1e-6)
+  assert not last_after_the_loop
+  last_after_the_loop.append(True)  # the fixture's check: done here.

@@ -132,11 +132,16 @@ class Layout(Protocol):
   def after_loop(self, total: Any, rules: list[str] | None) -> Any:
     """The loop's gradient sums made ready for :meth:`reduce`."""
 
-  def reduces_gradients(self) -> bool:
-    """Whether :meth:`reduce` sums gradients over devices: then the loop's
-    last micro-batch runs after the loop (SPEC 13), so that each leaf's
-    reduction may start as soon as its sum is final, beside the rest of
-    that backward pass."""
+  def reduces_only_after_loop(self) -> bool:
+    """Whether :meth:`reduce` sums gradients over devices and nothing is
+    reduced in the loop: then the loop's last micro-batch may run after the
+    loop (SPEC 13), so that each leaf's reduction starts as soon as its sum
+    is final, beside the rest of that backward pass. Not where a leaf is
+    reduced in each micro-batch (JAX's replicated fallback leaves,
+    ``gradient_sync="every_microbatch"``): XLA moves such a loop's
+    reductions after it as one, and the last micro-batch's own would be a
+    second (8 H100s: ``oa.check_train_step`` finds the fallback leaf
+    reduced twice)."""
 
   def reduce(self, partials: Partials) -> Partials:
     """The one reduction over the data axes (the identity without one)."""
@@ -205,7 +210,7 @@ class SingleLayout(NamedTuple):
     del rules
     return total
 
-  def reduces_gradients(self):
+  def reduces_only_after_loop(self):
     return False
 
   def reduce(self, partials):

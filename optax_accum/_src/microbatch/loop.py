@@ -258,7 +258,7 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
     dtypes.append(values.dtype)
     return carry, stacked
 
-  if trip_count.peeled(opts.num_microbatches, lay.reduces_gradients()):
+  if trip_count.peeled(opts.num_microbatches, lay.reduces_only_after_loop()):
     (sums, model_state), stacked = trip_count.where_it_overlaps(
         lambda: run(None), lambda: run(last_step))
   else:

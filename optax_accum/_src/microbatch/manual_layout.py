@@ -185,11 +185,14 @@ class ManualLayout(NamedTuple):
     return grad_reduction_lib.max_over_devices(
         total, rules, self.axis_name, keep_on_one_device=True)
 
-  def reduces_gradients(self):
-    """All but a deferred sum of parameters sharded over no data axis."""
+  def reduces_only_after_loop(self):
+    """Not a deferred sum of parameters sharded over no data axis (nothing
+    reduced), nor one synced in each micro-batch."""
+    specs = jax.tree.leaves(self.specs, is_leaf=lambda x: isinstance(x, P))
+    if any(self._syncs_in_loop(s) for s in specs):
+      return False
     return (self.policy.gradient_sync != fsdp.DEFERRED
-            or any(_is_sharded(s) for s in jax.tree.leaves(
-                self.specs, is_leaf=lambda x: isinstance(x, P))))
+            or any(_is_sharded(s) for s in specs))
 
   def reduce(self, partials):
     """Sums the partials over the data axes: the one reduction of a call."""

@@ -278,10 +278,15 @@ class TypedLayout(NamedTuple):
     del rules
     return total
 
-  def reduces_gradients(self):
-    """All but a deferred sum of parameters sharded over no data axis."""
+  def reduces_only_after_loop(self):
+    """Every leaf reduced after the loop (none replicated, none synced in
+    it), and some reduced there (not a deferred sum of parameters sharded
+    over no data axis)."""
+    if not all(self.reduced) or any(
+        self._syncs_in_loop(i) for i in range(len(self.reduced))):
+      return False
     return (self.policy.gradient_sync != fsdp.DEFERRED
-            or any(r and self._sharded(i) for i, r in enumerate(self.reduced)))
+            or any(self._sharded(i) for i in range(len(self.reduced))))
 
   def reduce(self, partials):
     """The one reduction: each sum resharded to its parameter's sharding.
