@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import conditional_loops
 from optax_accum._src.mesh import axes
+from optax_accum._src.mesh import compat
 from optax_accum._src.mesh import manual
 from optax_accum._src.mesh import readers
 
@@ -65,22 +66,34 @@ def tpu_overlaps() -> bool:
       for flag in given)
 
 
+def overlaps_on(platform: str) -> bool:
+  """Whether a program for ``platform`` may overlap the reduction: XLA's
+  GPU compiler issues each all-reduce and reduce-scatter as an asynchronous
+  start and done and schedules compute between them; the CPU runs
+  collectives synchronously; so does XLA's TPU compiler unless
+  :func:`tpu_overlaps`, its combiner merging the gradient's all-reduces
+  into one."""
+  if platform == "cpu":
+    return False
+  return tpu_overlaps() if platform == "tpu" else True
+
+
 def where_it_overlaps(plain: Callable[[], Any],
                       last_after: Callable[[], Any]) -> Any:
   """``last_after()`` where the compiler the program is lowered for can
-  overlap the reduction with it, else ``plain()``
-  (``lax.platform_dependent``: only the one lowered is compiled).
+  overlap the reduction with it (:func:`overlaps_on`), else ``plain()``.
 
-  XLA's GPU compiler issues each all-reduce and reduce-scatter as an
-  asynchronous start and done and schedules compute between them. The CPU
-  runs collectives synchronously; so does XLA's TPU compiler unless
-  :func:`tpu_overlaps`, its combiner merging the gradient's all-reduces
-  into one. There the copy of the loop's body would add program memory
-  (TPU v5e: 4.1 to 7.2 MiB of code at CI's size, 9% of its peak) and hide
-  nothing.
+  The platform is that of the mesh of ``jax.set_mesh``; without one, both
+  are traced and ``lax.platform_dependent`` lowers the one for the
+  platform. Where nothing overlaps, the copy of the loop's body would add
+  compile time and program memory (TPU v5e: 4.1 to 7.2 MiB of code at CI's
+  size, 9% of its peak) and hide nothing.
   """
+  platform = compat.mesh_platform()
+  if platform is not None:
+    return last_after() if overlaps_on(platform) else plain()
   return lax.platform_dependent(
-      cpu=plain, tpu=last_after if tpu_overlaps() else plain,
+      cpu=plain, tpu=last_after if overlaps_on("tpu") else plain,
       default=last_after)
 
 

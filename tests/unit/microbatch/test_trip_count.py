@@ -162,3 +162,22 @@ def test_tpu_overlaps_only_with_every_flag(monkeypatch):
        + " --xla_jf_crs_combiner_threshold_count=1", False)):
     monkeypatch.setenv("LIBTPU_INIT_ARGS", given)
     assert trip_count.tpu_overlaps() is expected, given
+
+
+def test_under_a_mesh_only_its_platforms_branch_is_traced():
+  """The platform of jax.set_mesh's devices decides while tracing: the
+  other branch is not traced (no compile time for it on the CPU)."""
+  traced = []
+
+  def branch(name, value):
+    def fn():
+      traced.append(name)
+      return jnp.int32(value)
+    return fn
+
+  mesh = jax.make_mesh((1,), ("data",))
+  with jax.set_mesh(mesh):
+    out = jax.jit(lambda: trip_count.where_it_overlaps(
+        branch("plain", 0), branch("last_after", 1)))()
+  assert int(out) == 0 and traced == ["plain"]
+  assert not trip_count.overlaps_on("cpu") and trip_count.overlaps_on("gpu")
