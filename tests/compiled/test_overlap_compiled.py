@@ -7,14 +7,15 @@ in a ``lax.scan`` and one ``psum`` per leaf after it (the hand-written scan),
 against the same with the last micro-batch taken out of the scan. XLA can
 start a leaf's reduction during the last backward only in the second, and
 only if it issues the reduction asynchronously and does not combine the
-leaves' reductions into one. And ``oa.value_and_grad`` of an 8-layer MLP in
-the typed and the ``shard_map`` forms, which takes its last micro-batch out
-of the loop where the compiler overlaps (``trip_count.where_it_overlaps``):
-on the H100s 7 of 8 leaves' bytes (87.5%, SPEC 13's >= 80%), on TPU v5e
-with the flags 5 of 8; its step still passes ``oa.check_train_step``. Each TPU program with flags of its own is
-compiled in a child process: libtpu reads ``LIBTPU_INIT_ARGS`` once, when it
-loads. Skipped, saying why, without libtpu (or, for the H100s, the CUDA
-plugin and ptxas).
+leaves' reductions into one. And ``oa.value_and_grad(...,
+overlap_reduction=True)`` of an 8-layer MLP in the typed and the
+``shard_map`` forms, which takes its last micro-batch out of the loop: on
+the H100s 7 of 8 leaves' bytes (87.5%, SPEC 13's >= 80%), on TPU v5e with
+the flags 5 of 8, with libtpu's defaults none; its step still passes
+``oa.check_train_step`` (the loop and the last micro-batch after it).
+Each TPU program with flags of its own is compiled in a child process:
+libtpu reads ``LIBTPU_INIT_ARGS`` once, when it loads. Skipped, saying
+why, without libtpu (or, for the H100s, the CUDA plugin and ptxas).
 """
 
 import json
@@ -72,13 +73,13 @@ def _assert_value_and_grad_overlaps(report: dict, overlapped: int) -> None:
 
 
 @_NEEDS_TPU
-def test_tpu_default_flags_keep_value_and_grads_last_micro_batch_in_the_loop():
-  """Without the flags nothing would overlap: oa.value_and_grad keeps its
-  loop whole, and reduces after it."""
+def test_tpu_default_flags_overlap_nothing_even_with_the_last_out():
+  """Without the flags the last micro-batch leaves the loop for nothing:
+  libtpu combines the reductions into one synchronous all-reduce."""
   for form in ("typed", "shard_map"):
     compiled = overlap_worker.compile_value_and_grad(co.tpu_devices(), form)
     assert oa.reduction_overlap(compiled).overlapped_share == 0.0
-    assert "optax_accum_last_microbatch" not in compiled.as_text()
+    assert "optax_accum_last_microbatch" in compiled.as_text()
     oa.check_train_step(compiled, num_microbatches=overlap_worker.K)
 
 

@@ -1,15 +1,17 @@
 """SPEC 13: the last micro-batch after the loop gives the loop's results.
 
-Where the compiler can overlap the one reduction with the last backward pass
-(GPUs; TPUs with the flags of ``docs/performance.md``) ``oa.value_and_grad``
-runs its last micro-batch after the loop (``trip_count.where_it_overlaps``).
-This machine compiles for the CPU, where it stays in the loop; here it is
-forced out, and the results are checked against the full batch's, as the
-loop's are: uneven tokens, an empty micro-batch, every micro-batch empty,
-a traced count of real micro-batches, aux and model state, per-leaf rules,
-in the typed and the ``shard_map`` forms. The compiled programs it makes on
+With ``overlap_reduction=True`` ``oa.value_and_grad`` runs its last
+micro-batch after the loop, so that XLA may overlap the one reduction with
+that backward pass (GPUs; TPUs with the flags of ``docs/performance.md``).
+The results are checked against the full batch's, as the loop's are:
+uneven tokens, an empty micro-batch, every micro-batch empty, a traced
+count of real micro-batches, aux and model state, in the typed and the
+``shard_map`` forms; and it stays in the loop where a leaf is reduced in
+each micro-batch. The compiled programs it makes on
 TPU and GPU are read in ``tests/compiled/test_overlap_compiled.py``.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,22 +27,24 @@ from optax_accum._src.microbatch import trip_count
 K = 4
 N = 8  # simulated devices (tests/conftest.py).
 ROWS, SEQ, DIM = 2 * K * N, 3, 4
+_value_and_grad = functools.partial(oa.value_and_grad, num_microbatches=K,
+                                    overlap_reduction=True)
 
 
 @pytest.fixture(autouse=True)
 def last_after_the_loop(monkeypatch):
-  """Every call that reduces runs its last micro-batch after the loop (and
-each test's does)."""
+  """Whether each call ran its last micro-batch after the loop; each test's
+  did, unless it says otherwise."""
   taken = []
+  peeled = trip_count.peeled
 
-  def overlaps(plain, last_after):
-    del plain
-    taken.append(True)
-    return last_after()
+  def spy(*args):
+    taken.append(peeled(*args))
+    return taken[-1]
 
-  monkeypatch.setattr(trip_count, "where_it_overlaps", overlaps)
+  monkeypatch.setattr(trip_count, "peeled", spy)
   yield taken
-  assert taken, "the last micro-batch did not leave the loop"
+  assert any(taken), "the last micro-batch did not leave the loop"
 
 
 def _batch(seed, empty=()):
@@ -87,12 +91,12 @@ def test_matches_the_full_batch(form, empty):
   params = helpers.mlp_params(DIM, 8, seed=0)
   batch = _batch(1, empty)
   if form == "typed":
-    got = _typed(oa.value_and_grad(_loss, num_microbatches=K,
+    got = _typed(_value_and_grad(_loss,
                                    num_tokens_fn=helpers.num_tokens),
                  params, batch)
   else:
-    got = _shard_map(oa.value_and_grad(
-        _loss, num_microbatches=K, num_tokens_fn=helpers.num_tokens,
+    got = _shard_map(_value_and_grad(
+        _loss, num_tokens_fn=helpers.num_tokens,
         axis_name="data"), params, batch)
   helpers.assert_trees_close(got, _full_batch(params, batch), rtol=2e-5,
                              atol=1e-7)
@@ -106,12 +110,12 @@ def test_no_tokens_at_all_gives_zeros_not_nan(form):
   params = helpers.mlp_params(DIM, 8, seed=0)
   batch = _batch(2, empty=range(K))
   loss_fn = lambda p, b: helpers.raw_mean(helpers.mlp_token_losses(p, b), b)
-  kwargs = dict(num_microbatches=K, num_tokens_fn=helpers.num_tokens)
+  kwargs = dict(num_tokens_fn=helpers.num_tokens)
   if form == "typed":
-    loss, grads = _typed(oa.value_and_grad(loss_fn, **kwargs), params,
+    loss, grads = _typed(_value_and_grad(loss_fn, **kwargs), params,
                          batch)
   else:
-    loss, grads = _shard_map(oa.value_and_grad(loss_fn, axis_name="data",
+    loss, grads = _shard_map(_value_and_grad(loss_fn, axis_name="data",
                                                **kwargs), params, batch)
   assert float(loss) == 0.0
   for g in jax.tree.leaves(grads):
@@ -123,7 +127,7 @@ def test_a_traced_count_of_real_micro_batches(num_real):
   """The ``num_real``-th runs after the loop; the others are not computed."""
   params = helpers.mlp_params(DIM, 8, seed=0)
   batch = _batch(3)
-  fn = oa.value_and_grad(_loss, num_microbatches=K,
+  fn = _value_and_grad(_loss,
                          num_tokens_fn=helpers.num_tokens)
   got = _typed(lambda p, b, n: fn(p, b, num_real_microbatches=n), params,
                batch, jnp.int32(num_real))
@@ -144,7 +148,7 @@ def test_stacked_aux_and_model_state_come_out_in_order():
     value = _loss(params, batch)
     return value, (count + 1, helpers.num_tokens(batch))
 
-  fn = oa.value_and_grad(loss, num_microbatches=K, has_state=True,
+  fn = _value_and_grad(loss, has_state=True,
                          has_aux=True, num_tokens_fn=helpers.num_tokens)
   with jax.set_mesh(_mesh()):
     (value, (count, aux)), grads = jax.jit(fn)(
@@ -166,7 +170,7 @@ def test_not_where_a_leaf_is_reduced_in_the_loop(last_after_the_loop):
   one, and the last micro-batch's own would be a second."""
   params = helpers.mlp_params(DIM, N, seed=0)
   batch = _batch(5)
-  fn = oa.value_and_grad(_loss, num_microbatches=K, axis_name="data",
+  fn = _value_and_grad(_loss, axis_name="data",
                          num_tokens_fn=helpers.num_tokens,
                          gradient_sync="every_microbatch",
                          param_specs={"w1": P(None, "data"), "b1": P("data"),
@@ -181,5 +185,5 @@ def test_not_where_a_leaf_is_reduced_in_the_loop(last_after_the_loop):
       jax.device_put(batch, jax.NamedSharding(mesh, P("data"))))
   helpers.assert_trees_close(got, _full_batch(params, batch), rtol=2e-5,
                              atol=1e-6)
-  assert not last_after_the_loop
+  assert last_after_the_loop and not any(last_after_the_loop)
   last_after_the_loop.append(True)  # the fixture's check: done here.

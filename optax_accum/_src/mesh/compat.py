@@ -182,23 +182,3 @@ def cast_unreduced(x: Any, spec: P) -> Any:
   return manual.on_own_partials(
       lambda v: manual.on_first_device(v, over), (x,), spec)
 
-
-def mesh_platform() -> str | None:
-  """Workaround: the platform of the devices of the mesh ``jax.set_mesh``
-  set (``"cpu"``, ``"tpu"``, ``"gpu"``), read while tracing; None without
-  one.
-
-  ``jax.sharding.get_mesh`` refuses to run under ``jax.jit``; the concrete
-  mesh is read from jax's private context. Remove when jax tells the
-  platform a trace is lowered for (then :func:`lax.platform_dependent`
-  alone, without tracing every branch).
-  """
-  try:
-    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-    mesh = mesh_lib.get_concrete_mesh()
-  except (ImportError, AttributeError):
-    return None
-  devices = getattr(mesh, "devices", None)
-  if devices is None or not devices.size:
-    return None
-  return getattr(devices.flat[0], "platform", None)  # an empty mesh: None.

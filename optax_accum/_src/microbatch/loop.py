@@ -79,6 +79,7 @@ class Options(NamedTuple):
   grad_reduction: Any = None  # None: every leaf "mean".
   has_aux: bool = True  # whether loss_fn returns aux (True: may).
   has_state: bool = True  # whether loss_fn threads a model state.
+  overlap_reduction: bool = False  # the last micro-batch after the loop.
 
 
 def _token_count(num_tokens_fn, microbatch):
@@ -244,27 +245,19 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
     return step_over(held, batch_split._replace(leaves=leaves))
 
   step = step_over(params, batch_split)
-  dtypes = []
-
-  def run(last):
-    with jax.named_scope(LOOP_SCOPE):
-      if borrow is None:
-        carry, (values, stacked) = trip_count.run_microbatches(
-            step, init, opts.num_microbatches, inputs.num_real, last)
-      else:
-        carry, (values, stacked) = trip_count.run_borrowing(
-            step, init, borrow.runs, opts.num_microbatches,
-            inputs.num_real, last)
-    dtypes.append(values.dtype)
-    return carry, stacked
-
-  if trip_count.peeled(opts.num_microbatches, lay.reduces_only_after_loop()):
-    (sums, model_state), stacked = trip_count.where_it_overlaps(
-        lambda: run(None), lambda: run(last_step))
-  else:
-    (sums, model_state), stacked = run(None)
+  last = last_step if trip_count.peeled(
+      opts.overlap_reduction, opts.num_microbatches,
+      lay.reduces_only_after_loop()) else None
+  with jax.named_scope(LOOP_SCOPE):
+    if borrow is None:
+      (sums, model_state), (values, stacked) = trip_count.run_microbatches(
+          step, init, opts.num_microbatches, inputs.num_real, last)
+    else:
+      (sums, model_state), (values, stacked) = trip_count.run_borrowing(
+          step, init, borrow.runs, opts.num_microbatches,
+          inputs.num_real, last)
   sums = sums._replace(grads=lay.after_loop(sums.grads, rules))
-  return sums, LoopOut(model_state, dtypes[-1], stacked, plan, rules)
+  return sums, LoopOut(model_state, values.dtype, stacked, plan, rules)
 
 
 def finish_loop(sums: Sums, out: LoopOut, params,

@@ -8,8 +8,6 @@
 ``k`` trips, none if no micro-batch has tokens (:func:`run_borrowing`).
 """
 
-from collections.abc import Callable
-import os
 from typing import Any
 
 import jax
@@ -19,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import conditional_loops
 from optax_accum._src.mesh import axes
-from optax_accum._src.mesh import compat
 from optax_accum._src.mesh import manual
 from optax_accum._src.mesh import readers
 
@@ -28,73 +25,20 @@ from optax_accum._src.mesh import readers
 PEELED_SCOPE = "optax_accum_last_microbatch"
 
 
-def peeled(num_microbatches: int, reduces: bool) -> bool:
-  """Whether the last micro-batch may run after the loop (SPEC 13).
+def peeled(asked: bool, num_microbatches: int, reduces: bool) -> bool:
+  """Whether the last micro-batch runs after the loop (SPEC 13).
 
   Inside the loop, the one reduction after it waits for the whole last
   backward pass; after it, each leaf's reduction may start as soon as that
   backward has produced the leaf's last gradient (the last layers' first),
-  and XLA's latency-hiding scheduler runs it beside the rest of the
-  backward (Megatron-LM's ``overlap_grad_reduce``). Only where the call
-  reduces gradients over devices (``reduces``), and only on the compilers
-  that overlap (:func:`where_it_overlaps`): elsewhere the second copy of the
-  loop's body costs compile time and program memory for nothing. Not for
-  one micro-batch: there is no loop.
+  and XLA's latency-hiding scheduler may run it beside the rest of the
+  backward (Megatron-LM's ``overlap_grad_reduce``). Where ``asked``
+  (``overlap_reduction=True``: it costs memory and compile time,
+  ``docs/performance.md``), where the call reduces gradients over devices
+  only after the loop (``reduces``), and for k > 1 (one micro-batch has no
+  loop).
   """
-  return reduces and num_microbatches > 1
-
-
-# LIBTPU_INIT_ARGS that make XLA's TPU compiler issue each leaf's all-reduce
-# asynchronously (docs/performance.md, "Hiding the one reduction"): all of
-# them, and a combiner that merges no two (a merged one stays synchronous).
-TPU_OVERLAP_FLAGS = (
-    "--xla_tpu_enable_async_collective_fusion=true",
-    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true",
-    "--xla_enable_async_all_reduce=true",
-)
-
-
-def tpu_overlaps() -> bool:
-  """Whether this process gave libtpu the flags that overlap all-reduces:
-  :data:`TPU_OVERLAP_FLAGS` in ``LIBTPU_INIT_ARGS``, and the combiner kept
-  to one leaf (``--xla_jf_crs_combiner_threshold_count=1``, or
-  ``--xla_jf_crs_combiner_threshold_in_bytes=``)."""
-  given = os.environ.get("LIBTPU_INIT_ARGS", "").split()
-  return all(flag in given for flag in TPU_OVERLAP_FLAGS) and any(
-      flag == "--xla_jf_crs_combiner_threshold_count=1"
-      or flag.startswith("--xla_jf_crs_combiner_threshold_in_bytes=")
-      for flag in given)
-
-
-def overlaps_on(platform: str) -> bool:
-  """Whether a program for ``platform`` may overlap the reduction: XLA's
-  GPU compiler issues each all-reduce and reduce-scatter as an asynchronous
-  start and done and schedules compute between them; the CPU runs
-  collectives synchronously; so does XLA's TPU compiler unless
-  :func:`tpu_overlaps`, its combiner merging the gradient's all-reduces
-  into one."""
-  if platform == "cpu":
-    return False
-  return tpu_overlaps() if platform == "tpu" else True
-
-
-def where_it_overlaps(plain: Callable[[], Any],
-                      last_after: Callable[[], Any]) -> Any:
-  """``last_after()`` where the compiler the program is lowered for can
-  overlap the reduction with it (:func:`overlaps_on`), else ``plain()``.
-
-  The platform is that of the mesh of ``jax.set_mesh``; without one, both
-  are traced and ``lax.platform_dependent`` lowers the one for the
-  platform. Where nothing overlaps, the copy of the loop's body would add
-  compile time and program memory (TPU v5e: 4.1 to 7.2 MiB of code at CI's
-  size, 9% of its peak) and hide nothing.
-  """
-  platform = compat.mesh_platform()
-  if platform is not None:
-    return last_after() if overlaps_on(platform) else plain()
-  return lax.platform_dependent(
-      cpu=plain, tpu=last_after if overlaps_on("tpu") else plain,
-      default=last_after)
+  return asked and reduces and num_microbatches > 1
 
 
 def check_num_real(num_real: Any, num_microbatches: int) -> jax.Array | None:

@@ -154,11 +154,13 @@ def is_peeled(inst: Instruction) -> bool:
 
 def place(inst: Instruction, loop_names: set[str],
            emitting: set[str]) -> str:
-  """Where ``inst`` runs: the last micro-batch, run after the loop, counts
-  as in it (once per micro-batch)."""
+  """Where ``inst`` runs. The last micro-batch run after the loop
+  (``overlap_reduction=True``) holds no reduction of its own over the data
+  axes (it leaves the loop only where none is in it): what XLA's combiner
+  merges with its scalars is the one after the loop, ``"outside"``."""
   if set(inst.branches) & emitting:
     return "in_emitting_branch"
-  if set(inst.loops) & loop_names or (loop_names and is_peeled(inst)):
+  if set(inst.loops) & loop_names:
     return "in_loop"
   return "outside"
 

@@ -141,43 +141,10 @@ def test_peeled_borrowing_gives_zeros_where_none_runs(n):
   assert float(last(jnp.bool_(False))) == 0.0
 
 
-def test_the_last_micro_batch_leaves_the_loop_only_where_it_can_overlap():
-  """Only with a reduction after the loop and k > 1; then only on compilers
-  that overlap it: not the CPU, nor a TPU without the flags."""
-  assert not trip_count.peeled(1, True)
-  assert not trip_count.peeled(4, False)
-  assert trip_count.peeled(4, True)
-  out = jax.jit(lambda: trip_count.where_it_overlaps(
-      lambda: jnp.int32(0), lambda: jnp.int32(1)))()
-  assert int(out) == 0  # this test runs on the CPU.
-
-
-def test_tpu_overlaps_only_with_every_flag(monkeypatch):
-  flags = " ".join(trip_count.TPU_OVERLAP_FLAGS)
-  for given, expected in (
-      ("", False), (flags, False),
-      (flags + " --xla_jf_crs_combiner_threshold_count=1", True),
-      (flags + " --xla_jf_crs_combiner_threshold_in_bytes=0", True),
-      (" ".join(trip_count.TPU_OVERLAP_FLAGS[1:])
-       + " --xla_jf_crs_combiner_threshold_count=1", False)):
-    monkeypatch.setenv("LIBTPU_INIT_ARGS", given)
-    assert trip_count.tpu_overlaps() is expected, given
-
-
-def test_under_a_mesh_only_its_platforms_branch_is_traced():
-  """The platform of jax.set_mesh's devices decides while tracing: the
-  other branch is not traced (no compile time for it on the CPU)."""
-  traced = []
-
-  def branch(name, value):
-    def fn():
-      traced.append(name)
-      return jnp.int32(value)
-    return fn
-
-  mesh = jax.make_mesh((1,), ("data",))
-  with jax.set_mesh(mesh):
-    out = jax.jit(lambda: trip_count.where_it_overlaps(
-        branch("plain", 0), branch("last_after", 1)))()
-  assert int(out) == 0 and traced == ["plain"]
-  assert not trip_count.overlaps_on("cpu") and trip_count.overlaps_on("gpu")
+def test_the_last_micro_batch_leaves_the_loop_only_where_asked_and_useful():
+  """Asked (overlap_reduction=True), with a reduction after the loop alone,
+  and k > 1."""
+  assert trip_count.peeled(True, 4, True)
+  assert not trip_count.peeled(False, 4, True)
+  assert not trip_count.peeled(True, 1, True)
+  assert not trip_count.peeled(True, 4, False)
