@@ -187,3 +187,25 @@ def test_not_where_a_leaf_is_reduced_in_the_loop(last_after_the_loop):
                              atol=1e-6)
   assert last_after_the_loop and not any(last_after_the_loop)
   last_after_the_loop.append(True)  # the fixture's check: done here.
+
+
+def test_overlap_reduction_must_be_a_bool(last_after_the_loop):
+  with pytest.raises(TypeError, match="overlap_reduction must be a bool, got"
+                     " 'gpu' of type str"):
+    oa.value_and_grad(_loss, num_microbatches=K, overlap_reduction="gpu")
+  last_after_the_loop.append(True)  # nothing traced: the fixture's check.
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_off_by_default_the_loop_stays_whole(asked, last_after_the_loop):
+  """The compiled program holds the last micro-batch's named scope only
+  where asked."""
+  params = helpers.mlp_params(DIM, 8, seed=0)
+  fn = oa.value_and_grad(_loss, num_microbatches=K, overlap_reduction=asked,
+                         num_tokens_fn=helpers.num_tokens)
+  with jax.set_mesh(_mesh()):
+    text = jax.jit(fn).lower(jax.device_put(params, P()), jax.device_put(
+        _batch(6), P("data"))).compile().as_text()
+  assert (trip_count.PEELED_SCOPE in text) == asked
+  assert any(last_after_the_loop) == asked
+  last_after_the_loop.append(True)
