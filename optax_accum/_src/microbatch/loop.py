@@ -65,6 +65,9 @@ class LoopOut(NamedTuple):
   stacked: Any  # aux (or its stacked leaves), one entry per micro-batch.
   plan: AuxPlan | None  # None when aux is only stacked.
   grad_rules: list[str] | None = None  # grad_reduction per leaf.
+  # The last micro-batch ran after the loop though none had tokens: the
+  # sums may be NaN where the token count is zero (trip_count's borrowing).
+  nan_without_tokens: bool = False
 
 
 class Options(NamedTuple):
@@ -257,7 +260,8 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
           step, init, borrow.runs, opts.num_microbatches,
           inputs.num_real, last)
   sums = sums._replace(grads=lay.after_loop(sums.grads, rules))
-  return sums, LoopOut(model_state, values.dtype, stacked, plan, rules)
+  return sums, LoopOut(model_state, values.dtype, stacked, plan, rules,
+                       borrow is not None and last is not None)
 
 
 def finish_loop(sums: Sums, out: LoopOut, params,
@@ -267,6 +271,13 @@ def finish_loop(sums: Sums, out: LoopOut, params,
   ``lay.sq_norms`` gives the squared norm of each stats group of a reduced
   gradient (summed over its shards, if sharded).
   """
+  if out.nan_without_tokens:  # after the reduction: it may start earlier.
+    sums = sums._replace(
+        grads=token_weighting.zeros_without_tokens(sums.grads, sums.tokens),
+        loss=token_weighting.zeros_without_tokens(sums.loss, sums.tokens),
+        aux=None if sums.aux is None else sums.aux._replace(
+            sums=token_weighting.zeros_without_tokens(sums.aux.sums,
+                                                      sums.tokens)))
   grads = grad_reduction_lib.mean_by_rule(sums.grads, sums.tokens, params,
                                     out.grad_rules)
   stats = None

@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import conditional_loops
 from optax_accum._src.mesh import axes
-from optax_accum._src.mesh import manual
 from optax_accum._src.mesh import readers
 
 # The named scope of the last micro-batch where it runs after the loop
@@ -73,8 +72,10 @@ def run_borrowing(step, init, runs, num_microbatches, num_real,
 
   With ``last_step`` (the step of the last trip, from the loop's result) the
   last micro-batch runs after the loop (:func:`peeled`), whatever ``runs``
-  says; where it says none, its sums (NaN, perhaps) are replaced by the
-  zeros the loop left (:func:`_zeros_unless`).
+  says: where it says none, its sums may be NaN, with a token count of
+  zero (``token_weighting.zeros_without_tokens`` reads them, after the
+  reduction: a select here, before it, had XLA's GPU compiler fuse the
+  leaves' selects into one and start no reduction before the last).
 
   It outputs nothing per micro-batch (borrowing applies only where nothing
   is stacked): the values' dtype and the (leafless) stacked aux are read
@@ -104,30 +105,9 @@ def run_borrowing(step, init, runs, num_microbatches, num_real,
     last = num_real - 1
   if peel:
     with jax.named_scope(PEELED_SCOPE):
-      carry = _zeros_unless(runs, body_of(last_step(carry))(carry, last))
+      carry = body_of(last_step(carry))(carry, last)
   dtype, stacked = seen[-1]
   return carry, (jax.ShapeDtypeStruct((num_microbatches,), dtype), stacked)
-
-
-def _zeros_unless(runs: Any, carry: Any) -> Any:
-  """``carry``, or zeros where ``runs`` is False.
-
-  Zeros, not the carry before the trip (zeros too then): a select between
-  the trip's sums and the sums it added to would keep both alive, and XLA
-  could no longer scatter an embedding's gradient into the sum in place
-  (:mod:`borrowing`). A sum typed unreduced is selected on each device's
-  partial (JAX has no unreduced rule for ``where``).
-  """
-  if runs is True:
-    return carry
-
-  def zeros_unless(x):
-    local = lambda x, runs: jnp.where(runs, x, jnp.zeros_like(x))
-    if not readers.unreduced_axes(x):
-      return local(x, runs)
-    return manual.on_own_partials(local, (x, runs), readers.full_spec(x))
-
-  return jax.tree.map(zeros_unless, carry)
 
 
 def run_microbatches(step, init, num_microbatches, num_real,

@@ -183,6 +183,23 @@ def has_tokens(token_count: jax.Array) -> jax.Array:
   return token_count != 0
 
 
+def zeros_without_tokens(total: Any, token_count: jax.Array) -> Any:
+  """``total``, or zeros where ``token_count`` is zero (whatever it holds:
+  NaN from a micro-batch without tokens run all the same). A sum typed
+  unreduced is selected on each device's partial (JAX has no unreduced
+  rule for ``where``)."""
+  def local(s, count):
+    return jnp.where(count == 0, jnp.zeros([], s.dtype), s)
+
+  def select(s):
+    if not readers.unreduced_axes(s):
+      return local(s, token_count)
+    return manual.on_own_partials(local, (s, token_count),
+                                  readers.full_spec(s))
+
+  return jax.tree.map(select, total)
+
+
 def mean(total: Any, token_count: jax.Array, like: Any) -> Any:
   """The running sum divided by the count, cast leaf by leaf like ``like``.
 
