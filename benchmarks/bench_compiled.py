@@ -50,6 +50,7 @@ GPU compiler, in a child process that starts jax on the CPU platform::
 import json
 import math
 import sys
+from typing import Any, NamedTuple
 import warnings
 
 import jax
@@ -181,17 +182,40 @@ def _per_call_steps(loss_fn, k, data_axis, mesh, params, micro):
   return steps
 
 
-def _mesh_run(name, cfg_run, devices):
-  shape, names, model_axes = MESHES[name]
-  k, rows = cfg_run["k"], cfg_run["batch"]
+class Problem(NamedTuple):
+  """The decoder on one mesh of compile-only devices, abstract."""
+
+  cfg: tm.Config
+  mesh: Any
+  data_axes: tuple[str, ...]
+  n_data: int  # devices the batch is split over.
+  shapes: Any  # the parameters' shapes, unsharded.
+  params: Any  # sharded by tm.specs.
+  data: Any  # the batch's shapes, unsharded.
+  batch: Any  # sharded over the data axes.
+
+
+def problem(mesh_spec, cfg_run, devices) -> Problem:
+  """``mesh_spec`` (a value of :data:`MESHES`) over ``devices``, with the
+  decoder of ``cfg_run["model"]`` and a batch of ``cfg_run["batch"]``."""
+  shape, names, model_axes = mesh_spec
   cfg = tm.Config(**cfg_run["model"], **model_axes)
   data_axes = cfg.batch_axes
-  n_data = math.prod(dict(zip(names, shape))[a] for a in data_axes)
   mesh = co.mesh(devices, shape, names)
   shapes = jax.eval_shape(lambda: tm.init(cfg))
-  params = co.abstract(shapes, mesh, tm.specs(cfg))
-  data = jax.eval_shape(lambda: tm.batch(cfg, rows))
-  batch = co.abstract(data, mesh, jax.tree.map(lambda _: P(data_axes), data))
+  data = jax.eval_shape(lambda: tm.batch(cfg, cfg_run["batch"]))
+  return Problem(
+      cfg, mesh, data_axes,
+      math.prod(dict(zip(names, shape))[a] for a in data_axes), shapes,
+      co.abstract(shapes, mesh, tm.specs(cfg)), data,
+      co.abstract(data, mesh, jax.tree.map(lambda _: P(data_axes), data)))
+
+
+def _mesh_run(name, cfg_run, devices):
+  shape, names, _ = MESHES[name]
+  k, rows = cfg_run["k"], cfg_run["batch"]
+  cfg, mesh, data_axes, n_data, shapes, params, data, batch = problem(
+      MESHES[name], cfg_run, devices)
   micro = co.abstract(jax.eval_shape(lambda: tm.batch(cfg, rows // k)), mesh,
                       jax.tree.map(lambda _: P(data_axes), data))
   loss_fn = tm.loss_fn(cfg)
