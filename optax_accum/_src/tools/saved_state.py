@@ -60,7 +60,9 @@ def _slotted(x: Any, mesh: Any) -> Any:
   if _is_abstract(x):
     slots = math.prod(readers.axis_sizes(mesh)[a] for a in axes)
     return _abstract((slots, *x.shape), x.dtype, spec)
-  return manual.on_own_partials(lambda block: block[None], (x,), spec)
+  # Under jax.jit: jax 0.9 runs no shard_map of unreduced arrays eagerly.
+  return jax.jit(lambda x: manual.on_own_partials(
+      lambda block: block[None], (x,), spec))(x)
 
 
 def checkpointable_state(state: Any) -> Any:
@@ -141,7 +143,8 @@ def _unslotted(path: Any, saved: Any, like: Any, mesh: Any) -> Any:
   spec = P(*entries[1:], unreduced=set(axes))
   if _is_abstract(saved):
     return _abstract(shape[1:], saved.dtype, spec)
-  return manual.on_own_partials(lambda block: block[0], (saved,), spec)
+  return jax.jit(lambda saved: manual.on_own_partials(
+      lambda block: block[0], (saved,), spec))(saved)
 
 
 def restored_state(saved: Any, like: Any) -> Any:
