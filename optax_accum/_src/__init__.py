@@ -147,7 +147,8 @@ its updates (``apply_if_updated``, ``update_and_apply``);
 ``update_call.sum_layout_of`` asks which form it is in.
 
 **tools/**: opt-in, off every hot path. ``hlo`` (``count_collectives``,
-on ``hlo_text``'s parser of compiled HLO), ``self_check``
+on ``hlo_text``'s parser of compiled HLO; ``async_chains`` reads XLA TPU's
+asynchronous collective fusions, one collective a chain), ``self_check``
 (``check_train_step``: judges what ``step_reading`` reads on the same
 parser, the micro-batch loop's trip count and where the gradient is
 reduced), ``overlap`` (``reduction_overlap``: in the scheduled order,

@@ -18,6 +18,7 @@ import numpy as np
 
 from optax_accum._src import conditional_loops
 from optax_accum._src.microbatch import borrowing
+from optax_accum._src.tools import async_chains
 
 COLLECTIVES = (
     "all-reduce",
@@ -43,14 +44,6 @@ _OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
 # dynamic-slice of each device's part: one reduce-scatter, of the fusion's
 # result (a ring's reduce-scatter, not an all-reduce; libtpu 0.0.42).
 _REDUCE_SCATTER_FUSION = re.compile(r'"emitter":"\w*AllReduceScatterFusion"')
-# XLA TPU's asynchronous collective fusions (libtpu 0.0.42): a fusion whose
-# computation ends in the custom-call AsyncCollectiveStart, continuations
-# (compute fused with the collective's next steps) and one ending in
-# AsyncCollectiveDone, each holding a copy of the collective, tagged with
-# the chain's id.
-_ASYNC_FUSION_ROLE = re.compile(
-    r'custom_call_target="AsyncCollective(Start|Done)"')
-_CHAIN_ID = re.compile(r'\bchain_id="(\d+)"')
 _NAME = re.compile(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=")
 _OPERANDS = re.compile(r"^[a-z][a-z0-9\-]*\(([^()]*)\)")
 _CALLED = re.compile(
@@ -126,32 +119,6 @@ class Collective(NamedTuple):
 def is_reduce_scatter_fusion(line: str) -> bool:
   """Whether the instruction ``line`` is XLA TPU's fused reduce-scatter."""
   return _REDUCE_SCATTER_FUSION.search(line) is not None
-
-
-def async_fusion_role(computation: str,
-                      computations: dict[str, Any]) -> str | None:
-  """"Start" or "Done" where ``computation`` is the start or the done of XLA
-  TPU's asynchronous collective fusion (its custom-call says which), else
-  None."""
-  for _, _, line in computations.get(computation, ()):
-    if match := _ASYNC_FUSION_ROLE.search(line):
-      return match.group(1)
-  return None
-
-
-def chain_id(rest: str) -> str | None:
-  """The ``chain_id`` that ties a collective to its asynchronous collective
-  fusion's chain, or None."""
-  match = _CHAIN_ID.search(rest)
-  return None if match is None else match.group(1)
-
-
-def is_chain_copy(rest: str, computation: str,
-                  computations: dict[str, Any]) -> bool:
-  """Whether a collective is XLA TPU's copy of a chain's collective, in a
-  continuation or the done: the chain runs it once, counted at its start."""
-  return (chain_id(rest) is not None
-          and async_fusion_role(computation, computations) != "Start")
 
 
 def _ints(text: str | None) -> list[int]:
@@ -367,7 +334,7 @@ def parse_collectives(text: str, positions: Any = None,
       return
     for opcode, rest, line in computations.get(name, ()):
       collective = _OPCODE_TO_COLLECTIVE.get(opcode)
-      if collective is not None and not is_chain_copy(rest, name,
+      if collective is not None and not async_chains.is_chain_copy(rest, name,
                                                       computations):
         axes = None if positions is None else _collective_axes(
             rest, positions, mesh)

@@ -19,6 +19,7 @@ import re
 from typing import Any, NamedTuple
 
 from optax_accum._src import validation
+from optax_accum._src.tools import async_chains
 from optax_accum._src.tools import hlo
 from optax_accum._src.tools import hlo_text
 from optax_accum._src.tools import matmul_flops
@@ -146,8 +147,8 @@ def _event(opcode: str, rest: str, line: str, entry: str,
     return None
   if opcode == "async-start":
     return _Event("start", name, found)
-  role = hlo_text.async_fusion_role(callee.group(1), computations)
-  chain = hlo_text.chain_id(found.rest)
+  role = async_chains.async_fusion_role(callee.group(1), computations)
+  chain = async_chains.chain_id(found.rest)
   if role is None or chain is None:
     return None  # a continuation: compute with the collective's next steps.
   return _Event(role.lower(), f"chain {chain}",

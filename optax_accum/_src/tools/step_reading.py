@@ -19,6 +19,7 @@ from optax_accum._src.accumulate import transform
 from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import loop as loop_lib
 from optax_accum._src.microbatch import trip_count as trip_count_lib
+from optax_accum._src.tools import async_chains
 from optax_accum._src.tools import hlo
 from optax_accum._src.tools import hlo_text
 
@@ -173,7 +174,7 @@ def reductions(instructions, computations, loop_names, emitting,
     collective = hlo_text._OPCODE_TO_COLLECTIVE.get(inst.opcode)
     if inst.scatter is not None and collective == "all-reduce":
       collective = "reduce-scatter"  # XLA's TPU reduce-scatter fusion.
-    if collective not in REDUCTIONS or hlo_text.is_chain_copy(
+    if collective not in REDUCTIONS or async_chains.is_chain_copy(
         inst.rest, inst.computation, computations):
       continue
     shapes = hlo_text._result_shapes(inst.scatter or inst.line)
