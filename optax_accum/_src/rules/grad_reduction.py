@@ -136,12 +136,12 @@ def mean_by_rule(total: Any, token_count: jax.Array, like: Any,
   means = token_weighting.mean(total, token_count, like)
   if rules is None:
     return means
-  has_tokens = token_weighting.has_tokens(token_count)
 
   def finish_leaf(rule, mean, s):
     if rule == MEAN:
       return mean
-    return jnp.where(has_tokens, s, jnp.zeros([], s.dtype)).astype(mean.dtype)
+    return token_weighting.zeros_without_tokens(s, token_count).astype(
+        mean.dtype)
 
   return _map(finish_leaf, rules, means, total)
 

@@ -189,7 +189,11 @@ def zeros_without_tokens(total: Any, token_count: jax.Array) -> Any:
   unreduced is selected on each device's partial (JAX has no unreduced
   rule for ``where``)."""
   def local(s, count):
-    return jnp.where(count == 0, jnp.zeros([], s.dtype), s)
+    # The zero is the count itself, not a constant: XLA merges a constant
+    # zero of a leaf's shape with the loop's initial zeros and holds it
+    # through the whole program (H100 at 1B: 10% to 16% more peak memory).
+    zero = jnp.abs(count).astype(s.dtype)
+    return jnp.where(count == 0, zero, s)
 
   def select(s):
     if not readers.unreduced_axes(s):
