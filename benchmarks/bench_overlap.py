@@ -15,6 +15,10 @@ micro-batches in one call each:
   tracing;
 * ``scan``: the hand-written token-weighted ``lax.scan`` of ``jax.grad``
   (``zoo/peers.py``), reducing after its loop;
+* ``MultiSteps``: ``jax.grad`` of one micro-batch per jitted call fed to
+  ``optax.MultiSteps`` (benchmark k's, parameters and state donated): it
+  reduces in every call, and XLA may overlap each call's reduction with
+  that call's backward; its bytes per update are k calls';
 * ``peeled anyway`` (by default only with libtpu's defaults, where ours keeps
   the loop whole): the last micro-batch after the loop whatever the
   compiler, what the peel alone costs there.
@@ -102,7 +106,8 @@ OURS, TODAY, SCAN = "ours", "today", "scan"
 # The last micro-batch after the loop whatever the compiler: what the peel
 # alone costs where ours keeps it in the loop (TPU defaults, the CPU).
 PEELED = "peeled anyway"
-CANDIDATES = (OURS, TODAY, SCAN, PEELED)
+MULTISTEPS = bench_compiled.MULTISTEPS
+CANDIDATES = (OURS, TODAY, SCAN, MULTISTEPS, PEELED)
 # Benchmark k's sizes, the positional embedding broadcast before its add
 # (``pos_broadcast``): otherwise JAX keeps that leaf replicated and reduces
 # it in each micro-batch, and the last micro-batch stays in the loop
@@ -149,16 +154,25 @@ def _problem(name, cfg_run, devices):
     with jax.set_mesh(mesh):
       zero = {"param_specs": oa.zero_specs(params, "data"),
               "gradient_sync": "once"}
-  steps = {SCAN: peers.token_weighted_scan(loss_fn, k, data_axes, n_data)}
+  whole = (params, batch)
+  steps = {SCAN: (peers.token_weighted_scan(loss_fn, k, data_axes, n_data),
+                  whole, ())}
   for cand in (OURS, TODAY, PEELED):
     asked = {"overlap_reduction": step_of[cand]} if OPT_IN else {}
-    steps[cand] = oa.value_and_grad(loss_fn, num_microbatches=k,
-                                    num_tokens_fn=tm.num_tokens, **zero,
-                                    **asked)
-  return mesh, data_axes, shapes, steps, (params, batch)
+    steps[cand] = (oa.value_and_grad(loss_fn, num_microbatches=k,
+                                     num_tokens_fn=tm.num_tokens, **zero,
+                                     **asked), whole, ())
+  micro = co.abstract(
+      jax.eval_shape(lambda: tm.batch(cfg, cfg_run["batch"] // k)), mesh,
+      jax.tree.map(lambda _: P(data_axes), batch))
+  tx, micro_step = bench_compiled._multisteps(loss_fn, k)
+  with jax.set_mesh(mesh):
+    state = jax.eval_shape(tx.init, params)
+  steps[MULTISTEPS] = (micro_step, (params, state, micro), (0, 1))
+  return mesh, data_axes, shapes, steps
 
 
-def _compile(mesh, fn, args, cand):
+def _compile(mesh, fn, args, cand, donate=()):
   """``(compiled, seconds to trace and lower, seconds to compile)``.
 
   ``where_it_overlaps`` takes its ``plain`` branch (the last micro-batch in
@@ -174,7 +188,7 @@ def _compile(mesh, fn, args, cand):
     with jax.set_mesh(mesh), warnings.catch_warnings():
       warnings.simplefilter("ignore", UserWarning)  # the fallback leaf.
       start = time.perf_counter()
-      lowered = jax.jit(fn).lower(*args)
+      lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
       lowered_at = time.perf_counter()
       compiled = lowered.compile()
       done = time.perf_counter()
@@ -380,12 +394,12 @@ def _warm_up(mesh):
 
 
 def _mesh_run(name, cfg_run, devices):
-  mesh, data_axes, shapes, steps, args = _problem(name, cfg_run, devices)
+  mesh, data_axes, shapes, steps = _problem(name, cfg_run, devices)
   _warm_up(mesh)
   k = cfg_run["k"]
   cands = cfg_run.get("candidates", list(
       CANDIDATES if not _overlaps_here(cfg_run["compiler"])
-      else CANDIDATES[:3]))
+      else CANDIDATES[:4]))
   out = {"params": int(sum(x.size for x in jax.tree.leaves(shapes))),
          "param_bytes": harness.tree_bytes(shapes),
          "leaves": len(jax.tree.leaves(shapes)),
@@ -395,8 +409,9 @@ def _mesh_run(name, cfg_run, devices):
     for cand in order:
       x = out["candidates"][cand]
       try:
-        compiled, lower_s, compile_s = _compile(mesh, steps[cand], args,
-                                                cand)
+        fn, args, donate = steps[cand]
+        compiled, lower_s, compile_s = _compile(mesh, fn, args, cand,
+                                                donate)
       except jax.errors.JaxRuntimeError as e:
         if getattr(e, "error_code_string", None) != "RESOURCE_EXHAUSTED":
           raise
@@ -408,7 +423,8 @@ def _mesh_run(name, cfg_run, devices):
             file=sys.stderr, flush=True)
       if rep:
         continue
-      x.update(bench_compiled._measure(compiled, mesh, data_axes, k, False))
+      x.update(bench_compiled._measure(compiled, mesh, data_axes, k,
+                                       cand == MULTISTEPS))
       x["overlap"] = _overlap(compiled, mesh, data_axes)
       x["collectives"] = _collectives(compiled, mesh, data_axes)
       text = compiled.as_text()
