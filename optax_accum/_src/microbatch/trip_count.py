@@ -32,7 +32,7 @@ def peeled(asked: bool, num_microbatches: int, reduces: bool) -> bool:
   backward has produced the leaf's last gradient (the last layers' first),
   and XLA's latency-hiding scheduler may run it beside the rest of the
   backward (Megatron-LM's ``overlap_grad_reduce``). Where ``asked``
-  (``overlap_reduction=True``: it costs memory and compile time,
+  (``overlap_reduction=True``: it costs compile time, and memory with FSDP,
   ``docs/performance.md``), where the call reduces gradients over devices
   only after the loop (``reduces``), and for k > 1 (one micro-batch has no
   loop).
