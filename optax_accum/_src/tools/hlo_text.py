@@ -334,8 +334,8 @@ def parse_collectives(text: str, positions: Any = None,
       return
     for opcode, rest, line in computations.get(name, ()):
       collective = _OPCODE_TO_COLLECTIVE.get(opcode)
-      if collective is not None and not async_chains.is_chain_copy(rest, name,
-                                                      computations):
+      if collective is not None and not async_chains.is_chain_copy(
+          rest, name, computations):
         axes = None if positions is None else _collective_axes(
             rest, positions, mesh)
         shapes = _result_shapes(line if scatter is None else scatter)
