@@ -38,6 +38,14 @@ from optax_accum._src.microbatch.reducible_layers import (
 from optax_accum._src.microbatch.value_and_grad import (
     value_and_grad as value_and_grad,
 )
+from optax_accum._src.proving.k_invariance import (
+    check_k_invariance as check_k_invariance,
+)
+from optax_accum._src.proving.k_invariance import (
+    KInvarianceReport as KInvarianceReport,
+)
+from optax_accum._src.proving.replicas import check_replicas as check_replicas
+from optax_accum._src.proving.replicas import ReplicaReport as ReplicaReport
 from optax_accum._src.rules.noise_scale import GradStats as GradStats
 from optax_accum._src.tools.hlo import CollectiveCounts as CollectiveCounts
 from optax_accum._src.tools.hlo import count_collectives as count_collectives
@@ -69,13 +77,17 @@ __all__ = (
     "AccumulateTransformation",
     "CollectiveCounts",
     "GradStats",
+    "KInvarianceReport",
     "Plan",
     "ReductionOverlap",
+    "ReplicaReport",
     "ShardingReport",
     "TrainStepCheck",
     "accumulate",
     "add_bias",
     "apply_if_updated",
+    "check_k_invariance",
+    "check_replicas",
     "check_train_step",
     "checkpointable_state",
     "count_collectives",

@@ -28,6 +28,7 @@ FLOORS = {
     "microbatch": 4,
     "accumulate": 4,
     "tools": 5,
+    "proving": 5,
 }
 
 

@@ -1,0 +1,139 @@
+"""Whether every replicated leaf holds the same values on every device.
+
+A leaf replicated over some mesh axes is a promise that each device holding
+a copy holds the same copy: parameters and optimizer state after an update
+that reduced the gradient over the data axes. A reduction missing for some
+leaf (under ``pmap`` or ``shard_map``, a gradient that never met a ``psum``)
+breaks it silently: the step runs, each device applies its own update and
+the copies drift apart. No collective count shows that; the values do.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from optax_accum._src.mesh import readers
+from optax_accum._src.proving import state_leaves
+
+# The mesh axis name jax.pmap's outputs are laid out over (jax >= 0.9).
+_PMAP_AXIS = "_internal_pmap_axis_name"
+
+
+class ReplicaReport(NamedTuple):
+  """What :func:`optax_accum.check_replicas` found.
+
+  Attributes:
+    ok: every copy of every checked leaf equals the others, bit for bit
+      (NaN equal to NaN).
+    worst: the path of the leaf whose copies differ most and that largest
+      elementwise difference; None when ``ok``.
+    differing: each leaf whose copies differ, with its largest difference.
+    checked: how many leaves had copies to compare.
+  """
+
+  ok: bool
+  worst: tuple[str, float] | None
+  differing: tuple[tuple[str, float], ...]
+  checked: int
+
+  def __str__(self) -> str:
+    if self.ok:
+      return f"replicas: ok ({self.checked} leaves with copies compared)"
+    rows = "\n".join(f"  {path}: {diff:.3g}" for path, diff in self.differing)
+    return (f"replicas: {len(self.differing)} of {self.checked} leaves differ"
+            f" between the devices holding a copy (largest difference):\n"
+            f"{rows}")
+
+
+def _is_pmap_output(x: jax.Array) -> bool:
+  sharding = x.sharding
+  if type(sharding).__name__ == "PmapSharding":  # jax < 0.9 had its own.
+    return True
+  spec = getattr(sharding, "spec", None)
+  mesh = getattr(sharding, "mesh", None)
+  return bool(spec) and mesh is not None and _PMAP_AXIS in readers.axes_of(
+      spec[0] or ())
+
+
+def _host(x: Any) -> np.ndarray:
+  return np.asarray(x, dtype=np.float64)
+
+
+def _difference(a: np.ndarray, b: np.ndarray) -> float:
+  """The largest elementwise difference; NaN equals NaN, else is inf."""
+  both_nan = np.isnan(a) & np.isnan(b)
+  diff = np.where(both_nan, 0.0, np.abs(a - b))
+  return float(np.nan_to_num(diff, nan=np.inf).max(initial=0.0))
+
+
+def _copies(x: jax.Array) -> list[list[np.ndarray]]:
+  """The values of ``x`` grouped by the part of it they hold."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  shards = x.addressable_shards
+  if _is_pmap_output(x):  # each row of a pmap output is a device's copy.
+    return [[_host(s.data).reshape(s.data.shape[1:]) for s in shards]]
+  groups: dict[Any, list[np.ndarray]] = {}
+  for shard in shards:
+    key = tuple((s.start, s.stop, s.step) for s in shard.index)
+    groups.setdefault(key, []).append(_host(shard.data))
+  return list(groups.values())
+
+
+def leaf_difference(x: Any) -> float | None:
+  """The largest difference between copies of ``x``; None if it has none."""
+  if not isinstance(x, jax.Array) or readers.unreduced_axes(x):
+    return None  # an unreduced array's values are partial sums, by design.
+  groups = [g for g in _copies(x) if len(g) > 1]
+  if not groups:
+    return None
+  return max(_difference(g[0], other) for g in groups for other in g[1:])
+
+
+def check_replicas(tree: Any) -> ReplicaReport:
+  """Whether each leaf's copies on different devices hold the same values.
+
+  Every array leaf is read as it is laid out: devices that hold the same
+  part of it (its replicas over some mesh axes) must hold the same values,
+  bit for bit. An output of :func:`jax.pmap` (its leading axis over the
+  devices) counts as replicated along that axis, as parameters replicated
+  for ``pmap`` are: pass the leaves meant to be replicated. Leaves typed
+  unreduced (partial sums by design), and the per-device running sums of an
+  :class:`optax_accum.AccumulateState`, are skipped. On several processes,
+  each compares the copies its own devices hold.
+
+  Args:
+    tree: any pytree (parameters, an optimizer state, a train state).
+
+  Returns:
+    A :class:`ReplicaReport`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import optax_accum as oa
+    >>> same = jax.pmap(lambda x: x * 2)(jnp.ones((jax.device_count(), 3)))
+    >>> oa.check_replicas({'w': same}).ok
+    True
+    >>> drift = jax.pmap(lambda x: x * 2)(
+    ...     jnp.arange(jax.device_count() * 3.).reshape(-1, 3))
+    >>> report = oa.check_replicas({'w': drift})
+    >>> report.ok, report.worst[0]
+    (False, "['w']")
+  """
+  skipped = state_leaves.field_paths(
+      tree, state_leaves.RUNNING_SUMS + state_leaves.PER_DEVICE)
+  differing, checked = [], 0
+  for leaf in state_leaves.leaves(tree):
+    if state_leaves.under(leaf.path, skipped):
+      continue
+    diff = leaf_difference(leaf.value)
+    if diff is None:
+      continue
+    checked += 1
+    if diff > 0:
+      differing.append((leaf.path, diff))
+  differing.sort(key=lambda row: -row[1])
+  return ReplicaReport(ok=not differing,
+                       worst=differing[0] if differing else None,
+                       differing=tuple(differing), checked=checked)
