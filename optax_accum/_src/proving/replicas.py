@@ -16,9 +16,6 @@ import numpy as np
 from optax_accum._src.mesh import readers
 from optax_accum._src.proving import state_leaves
 
-# The mesh axis name jax.pmap's outputs are laid out over (jax >= 0.9).
-_PMAP_AXIS = "_internal_pmap_axis_name"
-
 
 class ReplicaReport(NamedTuple):
   """What :func:`optax_accum.check_replicas` found.
@@ -46,14 +43,27 @@ class ReplicaReport(NamedTuple):
             f"{rows}")
 
 
-def _is_pmap_output(x: jax.Array) -> bool:
+def _device_rows(x: Any) -> bool:
+  """Whether ``x`` is laid out as a pmap lays out its outputs: one row per
+  device, over the one axis of a mesh of Auto axes."""
+  if not isinstance(x, jax.Array) or not x.ndim:
+    return False
   sharding = x.sharding
   if type(sharding).__name__ == "PmapSharding":  # jax < 0.9 had its own.
     return True
-  spec = getattr(sharding, "spec", None)
-  mesh = getattr(sharding, "mesh", None)
-  return bool(spec) and mesh is not None and _PMAP_AXIS in readers.axes_of(
-      spec[0] or ())
+  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", ())
+  if mesh is None or len(mesh.axis_names) != 1 or readers.are_explicit(
+      mesh, tuple(mesh.axis_names)):
+    return False
+  return (tuple(spec)[:1] == (mesh.axis_names[0],)
+          and x.shape[0] == mesh.devices.size)
+
+
+def pmap_style(arrays: list[Any]) -> bool:
+  """Whether every array is a pmap's per-device rows (a pmap train state:
+  parameters replicated by stacking, ``flax.jax_utils.replicate``)."""
+  arrays = [x for x in arrays if isinstance(x, jax.Array) and x.ndim]
+  return bool(arrays) and all(map(_device_rows, arrays))
 
 
 def _host(x: Any) -> np.ndarray:
@@ -67,12 +77,13 @@ def _difference(a: np.ndarray, b: np.ndarray) -> float:
   return float(np.nan_to_num(diff, nan=np.inf).max(initial=0.0))
 
 
-def _copies(x: jax.Array) -> list[list[np.ndarray]]:
-  """The values of ``x`` grouped by the part of it they hold."""
+def _copies(x: jax.Array, rows: bool) -> list[list[np.ndarray]]:
+  """The values of ``x`` grouped by the part of it they hold; with
+  ``rows``, each device's row is its copy."""
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
   shards = x.addressable_shards
-  if _is_pmap_output(x):  # each row of a pmap output is a device's copy.
+  if rows:
     return [[_host(s.data).reshape(s.data.shape[1:]) for s in shards]]
   groups: dict[Any, list[np.ndarray]] = {}
   for shard in shards:
@@ -81,11 +92,14 @@ def _copies(x: jax.Array) -> list[list[np.ndarray]]:
   return list(groups.values())
 
 
-def leaf_difference(x: Any) -> float | None:
-  """The largest difference between copies of ``x``; None if it has none."""
+def leaf_difference(x: Any, rows: bool = False) -> float | None:
+  """The largest difference between copies of ``x``; None if it has none.
+
+  With ``rows``, ``x``'s rows are the devices' copies (a pmap's state).
+  """
   if not isinstance(x, jax.Array) or readers.unreduced_axes(x):
     return None  # an unreduced array's values are partial sums, by design.
-  groups = [g for g in _copies(x) if len(g) > 1]
+  groups = [g for g in _copies(x, rows and x.ndim > 0) if len(g) > 1]
   if not groups:
     return None
   return max(_difference(g[0], other) for g in groups for other in g[1:])
@@ -96,9 +110,10 @@ def check_replicas(tree: Any) -> ReplicaReport:
 
   Every array leaf is read as it is laid out: devices that hold the same
   part of it (its replicas over some mesh axes) must hold the same values,
-  bit for bit. An output of :func:`jax.pmap` (its leading axis over the
-  devices) counts as replicated along that axis, as parameters replicated
-  for ``pmap`` are: pass the leaves meant to be replicated. Leaves typed
+  bit for bit. A tree whose every array is laid out as :func:`jax.pmap`'s
+  outputs (a leading axis of one row per device) is a pmap train state:
+  its rows are the devices' copies, as parameters replicated for ``pmap``
+  are, so pass the leaves meant to be replicated. Leaves typed
   unreduced (partial sums by design), and the per-device running sums of an
   :class:`optax_accum.AccumulateState`, are skipped. On several processes,
   each compares the copies its own devices hold.
@@ -123,11 +138,12 @@ def check_replicas(tree: Any) -> ReplicaReport:
   """
   skipped = state_leaves.field_paths(
       tree, state_leaves.RUNNING_SUMS + state_leaves.PER_DEVICE)
+  kept = [leaf for leaf in state_leaves.leaves(tree)
+          if not state_leaves.under(leaf.path, skipped)]
+  rows = pmap_style([leaf.value for leaf in kept])
   differing, checked = [], 0
-  for leaf in state_leaves.leaves(tree):
-    if state_leaves.under(leaf.path, skipped):
-      continue
-    diff = leaf_difference(leaf.value)
+  for leaf in kept:
+    diff = leaf_difference(leaf.value, rows)
     if diff is None:
       continue
     checked += 1
