@@ -13,13 +13,18 @@ division, Newton-Schulz) can amplify; the default ``rtol`` is
 changes the update at the percent level. The second term is the rounding of
 the leaf's own values (``eps`` of its dtype): a bfloat16 parameter whose
 update rounds to a neighbouring value. A leaf the reference left unchanged
-must then come out (nearly) unchanged too.
+must come out (nearly) unchanged too. Where the true gradient of a
+parameter is zero (an attention key's bias: softmax ignores it), Adam
+scales its rounding noise into a full step in a direction of chance: such
+leaves are recognised from the optimizer's moments and pass
+(:func:`rounding_gradients`).
 
 Integer and boolean leaves (counters, flags) must be equal. Everything is
 reduced on the devices (one scalar per statistic), so a sharded state is
 never gathered to the host.
 """
 
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -45,6 +50,8 @@ class LeafDiff(NamedTuple):
       changes.
     clean_scale: whether ``u_k`` is ``scale * u_ref`` to 1%.
     nonfinite: the leaf holds NaN or infinity where ``x_0`` held none.
+    zero_gradient: the leaf's parameter has a gradient at float32 rounding
+      (see :func:`rounding_gradients`): it passes whatever its difference.
   """
 
   path: str
@@ -56,15 +63,17 @@ class LeafDiff(NamedTuple):
   scale: float
   clean_scale: bool
   nonfinite: bool
+  zero_gradient: bool = False
 
   @property
   def ok(self) -> bool:
-    return not self.nonfinite and self.error <= self.allowed
+    return not self.nonfinite and (self.error <= self.allowed
+                                   or self.zero_gradient)
 
   @property
   def excess(self) -> float:
     """``error / allowed`` (inf where nothing is allowed and it differs)."""
-    if self.error == 0:
+    if self.error == 0 or self.zero_gradient:
       return 0.0
     return self.error / self.allowed if self.allowed > 0 else float("inf")
 
@@ -128,12 +137,72 @@ def compare(path: str, k: int, x0: Any, ref: Any, res: Any,
   if jnp.issubdtype(ref.dtype, jnp.inexact):
     s = _fetch(_float_stats(x0, ref, res))
     eps = float(jnp.finfo(ref.dtype).eps)
-    return LeafDiff(path, k, s["max_abs"], s["error"],
-                    rtol * s["update"] + 4 * eps * s["size"], s["update"],
+    allowed = rtol * s["update"] + 4 * eps * s["size"]
+    return LeafDiff(path, k, s["max_abs"], s["error"], allowed, s["update"],
                     s["scale"] if s["update"] > 0 else float("nan"),
                     s["residual"] < 1e-2, bool(s["nonfinite"]))
   s = _fetch(_exact_stats(x0, ref, res))
   change_ref, change_k = s["changes"]
   scale = change_k / change_ref if change_ref else float("nan")
-  return LeafDiff(path, k, s["max_abs"], s["max_abs"], 0.0, abs(change_ref),
-                  scale, True, False)
+  return LeafDiff(path, k, s["max_abs"], s["max_abs"], 0.0,
+                  abs(change_ref), scale, True, False)
+
+
+# A leaf whose change is under this share of its family's holds rounding.
+ROUNDING_SHARE = 2.0**-17
+_KEY = re.compile(r"\[[^\]]*\]|\.[A-Za-z_][A-Za-z_0-9]*")
+
+
+def _suffixes(path: str) -> list[str]:
+  """The tails of ``path`` at its key boundaries, longest first."""
+  keys = _KEY.findall(path)
+  return ["".join(keys[i:]) for i in range(1, len(keys))]
+
+
+def _families(rows: list[LeafDiff]) -> tuple[dict, dict, dict]:
+  """For each prefix of a floating leaf's path: the tails under it, the
+  squared norm of their changes; and for each tail, its prefixes."""
+  tails: dict[str, set[str]] = {}
+  norm2: dict[str, float] = {}
+  prefixes: dict[str, list[str]] = {}
+  for row in rows:
+    if row.allowed > 0:
+      for tail in _suffixes(row.path):
+        prefix = row.path[: -len(tail)]
+        tails.setdefault(prefix, set()).add(tail)
+        norm2[prefix] = norm2.get(prefix, 0.0) + row.update**2
+        prefixes.setdefault(tail, []).append(prefix)
+  return {p: frozenset(t) for p, t in tails.items()}, norm2, prefixes
+
+
+def rounding_gradients(rows: list[LeafDiff]) -> list[LeafDiff]:
+  """``rows`` with the leaves of parameters whose gradient is rounding
+  noise marked ``zero_gradient``.
+
+  An attention key's bias has a true gradient of zero (softmax ignores
+  it): what is computed is float32 noise, different for every summation
+  order, and Adam divides it by its own square root, a full step of the
+  learning rate in a direction of chance. Such a parameter shows in the
+  optimizer's moments, which hold the gradient. A parameter is found by
+  its path in a tree that another part of the state mirrors leaf for leaf
+  (the parameters, Adam's ``mu``, its ``nu``): where its leaf in one of
+  them changes by less than ``ROUNDING_SHARE`` of that tree's change, its
+  failing leaves pass: no mistake of weighting can show in a gradient that
+  is zero.
+  """
+  tails, norm2, prefixes = _families(rows)
+  update = {row.path: row.update for row in rows}
+
+  def rounding_only(row: LeafDiff) -> bool:
+    for tail in _suffixes(row.path):  # the longest mirrored tail decides.
+      own = row.path[: -len(tail)]
+      mirrors = [p for p in prefixes.get(tail, ())
+                 if p != own and tails[p] == tails[own]]
+      if mirrors:
+        return any(update[p + tail] <= ROUNDING_SHARE * norm2[p]**0.5
+                   for p in mirrors)
+    return False
+
+  return [row._replace(zero_gradient=True)
+          if not row.ok and row.allowed > 0 and rounding_only(row) else row
+          for row in rows]

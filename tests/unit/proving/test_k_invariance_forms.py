@@ -220,3 +220,66 @@ def test_pmap_reducing_twice_is_reported(batch):
       batch, num_microbatches=(1, 2))
   assert not report.ok
   assert "lax.pmean" in report.hint, report.hint
+
+
+class _Attention(nnx.Module):
+  """Embedding, causal self-attention (biased keys: a true gradient of
+  zero) and layers scanned over a stacked weight, as decoders are written."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(50, 16, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=16,
+                                       decode=False, rngs=rngs)
+    self.layers = nnx.Param(
+        jax.random.normal(jax.random.key(1), (3, 16, 16)) * 0.1)
+    self.out = nnx.Linear(16, 50, rngs=rngs)
+
+  def __call__(self, tokens):
+    h = self.embed(tokens)
+    h = h + self.attn(h, mask=nnx.make_causal_mask(tokens))
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h,
+                        self.layers[...])
+    return self.out(h)
+
+
+@pytest.mark.parametrize("equal_weights", [False, True])
+def test_an_adam_decoder_with_scanned_layers(equal_weights):
+  rng = np.random.default_rng(0)
+  lengths = np.array([1, 2, 12, 11, 3, 2, 10, 12])
+  mask = (np.arange(12)[None] < lengths[:, None]).astype(np.float32)
+  batch = {"x": jnp.asarray(rng.integers(0, 50, (8, 12))),
+           "y": jnp.asarray(rng.integers(0, 50, (8, 12))),
+           "mask": jnp.asarray(mask)}
+  graphdef, params = nnx.split(_Attention(nnx.Rngs(0)))
+  opt = optax.chain(optax.clip_by_global_norm(1.0),
+                    optax.adamw(1e-3, weight_decay=0.1))
+
+  def loss_fn(params, mb):
+    logits = nnx.merge(graphdef, params)(mb["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, mb["y"])
+    return (losses * mb["mask"]).sum() / jnp.maximum(mb["mask"].sum(), 1)
+
+  def make_step(k):
+    grad_fn = oa.value_and_grad(
+        loss_fn, num_microbatches=k, equal_weights=equal_weights,
+        num_tokens_fn=None if equal_weights else helpers.num_tokens)
+
+    @jax.jit
+    def step(state, batch):
+      params, opt_state = state
+      _, grads = grad_fn(params, batch)
+      updates, opt_state = opt.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+  report = oa.check_k_invariance(make_step, (params, opt.init(params)), batch)
+  if equal_weights:  # a mean of micro-batch means: reported.
+    assert not report.ok
+    assert "weighted by something other" in report.hint
+  else:
+    # The keys' biases differ by Adam-scaled rounding noise, and pass.
+    assert report.ok, report
+    noise = [row.path for row in report.leaves if row.zero_gradient]
+    assert noise and all("['key']['bias']" in path for path in noise), noise
+    assert "rounding noise" in str(report)
