@@ -138,6 +138,12 @@ PRINTED = {
     "docs/zero.md": ["(2, 32)", "float32[16@data,32] float32[16,32]",
                      "float32[16@data,8]", "float32[16@data,32]", "True",
                      "{'reduce-scatter': 2}"],
+    # The README's step passes; a per-example loss weighted by tokens fails
+    # with its hint, by examples passes; replicas equal, then drifted.
+    "docs/proving.md": [
+        "True", "False True",
+        "the micro-batches are weighted by something other than what the"
+        " loss divides by", "True", "False"],
     # The plateau logic's best value, the window's mean loss.
     "docs/composing.md": [],
 }
