@@ -1,12 +1,13 @@
 """optax_accum's private modules. Read this code map first.
 
-Five folders, one per family, and five modules that the families share.
+Six folders, one per family, and six modules that the families share.
 Imports run downward only, in this order (``tests/unit/test_layers.py``
 fails on a cycle or an import that runs back up):
 
 .. code-block:: text
 
-  tools/                      opt-in tools, off every hot path
+  tools/   proving/           opt-in tools, off every hot path; proving
+                              a user's own step (check_k_invariance)
   microbatch/   accumulate/   the two entry-point families (neither
                               imports the other)
   rules/                      the arithmetic both families share
@@ -17,10 +18,12 @@ fails on a cycle or an import that runs back up):
   flax_nnx.py                 the mistakes Flax NNX trees allow, named
                               (flax looked up, never imported)
   caller_warnings.py          every warning at the caller's line
+  keyword_names.py            other libraries' keyword names, named
+                              with ours
   conditional_loops.py        conditionals written as while loops (run_if,
                               trips_if), differentiated as lax.cond
 
-The four modules below ``validation.py`` import nothing of ours.
+The five modules below ``validation.py`` import nothing of ours.
 
 **rules/**: the arithmetic both entry points share. ``token_weighting``
 (the one weighting rule, ``num_tokens`` missing), ``grad_reduction``

@@ -21,6 +21,7 @@ FLOORS = {
     "caller_warnings": 0,
     "conditional_loops": 0,
     "flax_nnx": 0,
+    "keyword_names": 0,
     "tree_match": 0,
     "validation": 1,
     "mesh": 2,

@@ -185,6 +185,15 @@ def _check_call(tx, grads, state, params) -> None:
       raise TypeError(
           f"{_SIGNATURE}: the optimizer state came as {name}: the"
           " arguments are in another order.")
+  if not holds_state(state) and not isinstance(
+      tx, transform.AccumulateTransformation):
+    raise TypeError(
+        f"{_SIGNATURE}: tx is not oa.accumulate or a chain holding it (its"
+        f" state, a {type(state).__name__}, holds no AccumulateState), so"
+        " there is no cycle to apply the update in. Wrap the optimizer:"
+        " tx = oa.accumulate(optimizer, every_k=k), and state = tx.init("
+        "params); a plain optax optimizer's updates go through"
+        " optax.apply_updates.")
 
 
 def update_and_apply(

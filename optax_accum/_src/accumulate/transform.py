@@ -7,6 +7,7 @@ import jax
 import optax
 
 from optax_accum._src import flax_nnx
+from optax_accum._src import keyword_names
 from optax_accum._src import validation
 from optax_accum._src.accumulate import emit as emit_lib
 from optax_accum._src.accumulate import placement
@@ -63,6 +64,22 @@ class AccumulateTransformation(optax.GradientTransformationExtraArgs):
                             extra_args, True)
 
 
+@keyword_names.takes_only_own_keywords({
+    "use_grad_mean": (
+        "optax.MultiSteps' use_grad_mean=True is the default here, made exact:"
+        " pass num_tokens=n to each tx.update call (the token-weighted mean,"
+        " the full batch's gradient), or equal_weights=True where every"
+        " micro-batch holds as many tokens (docs/migrating.md)."),
+    "every_k_schedule": "write every_k=k (an int or a function of the"
+                        " update count, as MultiSteps' every_k_schedule).",
+    "should_skip_update_fn": (
+        "write skip_nonfinite=True for optax.skip_not_finite, or"
+        " should_skip=fn with fn(grads, state, params) -> bool."),
+    "k": "write every_k=k.",
+    "num_microbatches": "write every_k=k: the micro-steps per update.",
+    "num_tokens": ("num_tokens belongs to each tx.update call (the tokens of"
+                   " that micro-batch), not to oa.accumulate."),
+})
 def accumulate(
     inner: optax.GradientTransformation,
     every_k: int | Callable[[jax.Array], jax.Array] | None,

@@ -102,6 +102,23 @@ def missing_count(equal_weights: Any) -> token_weighting.MissingCount:
   )
 
 
+def _check_state_mesh(state: Any) -> None:
+  """A state typed on one mesh, used under another, named (not JAX's
+  "context mesh should match the aval mesh" from inside the emit)."""
+  current = jax.sharding.get_abstract_mesh()
+  meshes = [m for m in map(readers.mesh_of, jax.tree.leaves(state)) if m]
+  if current.empty or not meshes:
+    return
+  if readers.axis_sizes(meshes[0]) != readers.axis_sizes(current):
+    raise ValueError(
+        "tx.update's state was laid out on a mesh of axes"
+        f" {readers.axis_sizes(meshes[0])}, and this call runs under"
+        f" {readers.axis_sizes(current)}: a state moves to another mesh"
+        " through a checkpoint: save oa.reduced_state(state) (under the old"
+        " mesh, in jax.jit) and restore it under the new one, or start from"
+        " tx.init(params) under the new mesh.")
+
+
 def _check_params(params: Any, grad_sum: Any, slots: bool) -> None:
   """``params`` must be the tree the state was made for, leaf by leaf."""
   if params is None:
@@ -131,6 +148,7 @@ class Step(NamedTuple):
   def __call__(self, updates, state, params, num_tokens, emit, extra_args,
                apply):
     state_lib.check_state(updates, state, params)
+    _check_state_mesh(state)
     validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
     if extra_args and not self.takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)

@@ -4,6 +4,7 @@ from collections.abc import Callable
 import functools
 from typing import Any
 
+from optax_accum._src import keyword_names
 from optax_accum._src import validation
 from optax_accum._src.microbatch import batching
 from optax_accum._src.microbatch import fsdp
@@ -17,6 +18,19 @@ from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import token_weighting
 
 
+@keyword_names.takes_only_own_keywords({
+    "num_tokens": ("write num_tokens_fn=lambda mb: ..., a function of one"
+                   " micro-batch returning the number of tokens its loss"
+                   " averaged over (e.g. lambda mb: mb['mask'].sum())."),
+    "every_k": "write num_microbatches=k.",
+    "k": "write num_microbatches=k.",
+    "num_micro_batches": "write num_microbatches=k.",
+    "use_grad_mean": ("the result is the token-weighted mean with"
+                      " num_tokens_fn, or the plain mean over micro-batches"
+                      " with equal_weights=True."),
+    "argnums": ("it differentiates loss_fn's first argument (the"
+                " parameters), as jax.value_and_grad does by default."),
+})
 def value_and_grad(
     loss_fn: Callable[..., Any],
     *,

@@ -356,3 +356,11 @@ def test_update_and_apply_is_one_fused_inner_step_bit_for_bit(inner):
       helpers.assert_trees_equal(ours[0], reference[0])
   jax.tree.map(lambda a, b: np.testing.assert_array_max_ulp(a, b, maxulp=4),
                ours[0], theirs[0])
+
+
+def test_update_and_apply_names_a_missing_accumulate():
+  # A plain optimizer has no cycle: our error says to wrap it.
+  params = {"w": jnp.ones(3)}
+  tx = optax.adamw(1e-3)
+  with pytest.raises(TypeError, match=r"tx = oa.accumulate\(optimizer"):
+    oa.update_and_apply(tx, params, tx.init(params), params)

@@ -11,10 +11,12 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 import numpy as np
+import optax
 import pytest
 
 import accumulate_parts
 from accumulate_parts import N
+import optax_accum as oa
 from optax_accum._src.accumulate import local_sums
 from optax_accum._src.accumulate import slot_sums
 from optax_accum._src.accumulate import typed_sums
@@ -105,3 +107,26 @@ def test_a_callable_every_k_gives_a_length_of_at_least_one():
   with pytest.raises(TypeError, match=r"every_k\(count\) must return an"
                      r" integer scalar, got float32\[\]"):
     update_call._cycle_length(lambda count: 1.5 * count, jnp.int32(2))
+
+
+def test_a_state_from_another_mesh_is_named():
+  grad_fn = oa.value_and_grad(
+      lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2), num_microbatches=1,
+      gradient_sync="deferred", equal_weights=True)
+  tx = oa.accumulate(optax.sgd(0.1), every_k=2, equal_weights=True)
+
+  def step(params, state, batch):
+    _, grads = grad_fn(params, batch)
+    return tx.update(grads, state, params)[1]
+
+  first = jax.make_mesh((2, 4), ("data", "model"),
+                        axis_types=(AxisType.Explicit,) * 2)
+  second = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  params = {"w": jnp.ones(3)}
+  with jax.set_mesh(first):
+    batch = {"x": jax.device_put(jnp.ones((16, 3)), P("data"))}
+    state = jax.jit(step)(params, tx.init(params), batch)
+  with jax.set_mesh(second):
+    batch = {"x": jax.device_put(jnp.ones((16, 3)), P("data"))}
+    with pytest.raises(ValueError, match=r"oa.reduced_state\(state\)"):
+      jax.jit(step)(params, state, batch)
