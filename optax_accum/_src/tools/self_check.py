@@ -119,9 +119,11 @@ def _tally(reductions: list[Reduction], place: str) -> dict[str, int]:
 
 def _loop_findings(loops: list[Loop], num_microbatches: int) -> list[str]:
   if not loops and num_microbatches > 1:
-    return [f"no micro-batch loop found, expected one that runs"
-            f" {num_microbatches} times: the step computes one micro-batch"
-            " per call (is num_microbatches what the step was built with?)"]
+    return [f"no micro-batch loop of optax_accum found, nor a loop that"
+            f" runs {num_microbatches} times (a model's own loops, such as"
+            " scanned layers, are not micro-batch loops): the step computes"
+            " one micro-batch per call, or the whole batch at once (is"
+            " num_microbatches what the step was built with?)"]
   found = []
   for loop in loops:
     if loop.trip_count is None:

@@ -118,11 +118,15 @@ def trip_count(rest: str, computations: dict[str, Any]) -> int | None:
 
 def microbatch_loops(instructions, computations,
                       num_microbatches: int | None) -> list[Loop]:
-  """The micro-batch loops: oa.value_and_grad's, else the outermost ones.
+  """The micro-batch loops: oa.value_and_grad's, else the outermost ones
+  that run ``num_microbatches`` times.
 
   Without the named scope (a hand-written loop, coupled_value_and_grad's
-  two), the outermost loops are taken: those that run ``num_microbatches``
-  times if some do. A step of one micro-batch may have no loop of its own.
+  two), an outermost loop of ``num_microbatches`` trips (or of a count
+  not known at compile time) is taken. Another
+  loop is the model's own (its layers scanned, a decoding loop), not a
+  loop over micro-batches: a full-batch step whose model scans its layers
+  has no micro-batch loop. A step of one micro-batch may have none either.
   """
   loops = []
   for inst in instructions:
@@ -141,10 +145,8 @@ def microbatch_loops(instructions, computations,
     return marked
   if num_microbatches == 1:
     return []
-  outermost = [loop for loop in loops if loop.outermost]
-  matching = [loop for loop in outermost
-              if loop.trip_count == num_microbatches]
-  return matching or outermost
+  return [loop for loop in loops if loop.outermost
+          and loop.trip_count in (num_microbatches, None)]
 
 
 def is_peeled(inst: Instruction) -> bool:

@@ -82,7 +82,8 @@ def test_a_loop_of_fewer_microbatches_than_asked_fails():
   with pytest.raises(AssertionError,
                      match=f"runs {K} times, expected 8: 4 of every 8"):
     _check(_value_and_grad_step(), num_microbatches=8)
-  with pytest.raises(AssertionError, match="no micro-batch loop found"):
+  with pytest.raises(AssertionError,
+                     match="no micro-batch loop of optax_accum found"):
     _check(_value_and_grad_step(1), num_microbatches=K)
   # One micro-batch per call: no loop, and nothing to count.
   assert _check(_value_and_grad_step(1), num_microbatches=1).trip_counts == ()
@@ -445,3 +446,44 @@ def test_a_micro_steps_fix_is_that_of_its_form(op_name, axis_type, named,
 def test_refuses_arguments_naming_them(kwargs, error, message):
   with pytest.raises(error, match=message):
     oa.check_train_step(_LOOP, **{"num_microbatches": 4, **kwargs})
+
+
+def _scanned_layers_loss(params, x):
+  """A model that scans its 2 layers (a stacked weight), as decoders do."""
+  h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x @ params["w"],
+                      params["layers"])
+  return jnp.mean((h @ params["v"]) ** 2)
+
+
+def _layered_step(step):
+  params = {**PARAMS, "layers": jnp.ones((2, 2, 2))}
+  f = jax.shard_map(step, mesh=_mesh(), in_specs=(P(), P("data")),
+                    out_specs=P(), check_vma=False)
+  return jax.jit(f).lower(params, BATCH).compile()
+
+
+def test_a_models_own_loop_is_not_read_as_the_micro_batch_loop():
+  # The full batch at once, its model scanning its layers: no loop of ours.
+  full = _layered_step(lambda p, x: jax.lax.pmean(
+      jax.grad(_scanned_layers_loss)(p, x), "data"))
+  with pytest.raises(AssertionError, match=(
+      "no micro-batch loop of optax_accum found, nor a loop that runs 4"
+      " times")) as raised:
+    _check(full, num_microbatches=K)
+  assert "runs 2 times" not in str(raised.value)
+  # Ours around the same model: its loop is found, the model's is not.
+  ours = _layered_step(oa.value_and_grad(
+      _scanned_layers_loss, num_microbatches=K, axis_name="data",
+      equal_weights=True))
+  assert _check(ours, num_microbatches=K).trip_counts == (K,)
+
+  def by_hand(params, x):  # a hand-written accumulation loop of K trips.
+    def body(total, mb):
+      grads = jax.grad(_scanned_layers_loss)(params, mb)
+      return jax.tree.map(jnp.add, total, grads), None
+    total, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params),
+                            x.reshape(K, -1, x.shape[-1]))
+    return jax.lax.pmean(jax.tree.map(lambda g: g / K, total), "data")
+
+  assert _check(_layered_step(by_hand), num_microbatches=K).trip_counts == (
+      K,)
