@@ -119,6 +119,27 @@ def _check_state_mesh(state: Any) -> None:
         " tx.init(params) under the new mesh.")
 
 
+def _check_manual_axes(updates: Any, params: Any, grad_sum: Any,
+                       axis_name: Any) -> None:
+  """Gradients of each device's own inside a shard_map, with nothing to
+  sum them: named, not JAX's "cond branches must have equal output types"
+  from inside the emit."""
+  if axis_name is not None:
+    return
+  held = frozenset().union(*map(axes.varying_axes, jax.tree.leaves(
+      (params, grad_sum))))
+  own = frozenset().union(*map(axes.varying_axes, jax.tree.leaves(updates)))
+  if own - held:
+    names = tuple(sorted(own - held))
+    name = names[0] if len(names) == 1 else names
+    raise ValueError(
+        f"the gradients vary over the manual axes {names} of a shard_map"
+        " (each device's own), but oa.accumulate was given no axis_name to"
+        " sum them over: pass oa.accumulate(..., axis_name="
+        f"{name!r}), which reduces once per update, or psum the gradients"
+        " first.")
+
+
 def _check_params(params: Any, grad_sum: Any, slots: bool) -> None:
   """``params`` must be the tree the state was made for, leaf by leaf."""
   if params is None:
@@ -149,6 +170,7 @@ class Step(NamedTuple):
                apply):
     state_lib.check_state(updates, state, params)
     _check_state_mesh(state)
+    _check_manual_axes(updates, params, state.grad_sum, self.axis_name)
     validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
     if extra_args and not self.takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)

@@ -130,3 +130,21 @@ def test_a_state_from_another_mesh_is_named():
     batch = {"x": jax.device_put(jnp.ones((16, 3)), P("data"))}
     with pytest.raises(ValueError, match=r"oa.reduced_state\(state\)"):
       jax.jit(step)(params, state, batch)
+
+
+def test_each_devices_gradients_without_axis_name_are_named():
+  # The shard_map recipe (oa.device_local) with axis_name forgotten.
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = oa.accumulate(optax.adamw(0.1), every_k=2)
+  params = {"w": jnp.ones(3)}
+
+  def step(params, state, x):
+    grads = jax.grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(
+        oa.device_local(params, "data"))
+    return oa.update_and_apply(tx, grads, state, params, num_tokens=2.0)
+
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")),
+                            out_specs=(P(), P())))
+  x = jax.device_put(jnp.ones((16, 3)), jax.NamedSharding(mesh, P("data")))
+  with pytest.raises(ValueError, match=r"axis_name='data'\), which reduces"):
+    f(params, tx.init(params), x)
