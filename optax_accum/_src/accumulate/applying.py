@@ -64,12 +64,7 @@ _USAGE = ("updates, new_state = tx.update(grads, state, params); params ="
 
 def _check_pairing(params: Any, updates: Any,
                    found: state_lib.AccumulateState) -> None:
-  """Refuses a spent state and swapped parameters and updates."""
-  if state_lib.is_spent(found):
-    raise ValueError(
-        "oa.apply_if_updated got a state that was passed into tx.update (the"
-        " state before the call): whether to apply is the call's own"
-        " answer, in the state it returned. Write " + _USAGE + ".")
+  """Refuses parameters and updates passed swapped."""
   if (state_lib.returned_with(found, params)
       and not state_lib.returned_with(found, updates)):
     raise ValueError(
@@ -100,9 +95,11 @@ def apply_if_updated(
   copy-free form (``docs/performance.md``).
 
   Pass the updates and the state that one ``tx.update`` call returned: the
-  state passed *into* that call (which says whether the call before
-  emitted) is refused, and so are the parameters and the updates swapped,
-  where this can tell (see :class:`optax_accum.AccumulateState`).
+  state passed *into* that call says whether the call *before* emitted, and
+  the parameters would then never move (:func:`optax_accum.check_k_invariance`
+  reports that; :func:`optax_accum.update_and_apply` needs no pairing).
+  Parameters and updates passed swapped are refused where this can tell
+  (see :class:`optax_accum.AccumulateState`).
 
   Args:
     params: the parameters.
@@ -115,9 +112,8 @@ def apply_if_updated(
     The new parameters, shaped and typed like ``params``.
 
   Raises:
-    ValueError: if ``state`` contains no :class:`AccumulateState`, was
-      passed into ``tx.update``, or if ``updates`` is not shaped like
-      ``params``.
+    ValueError: if ``state`` contains no :class:`AccumulateState`, or if
+      ``updates`` is not shaped like ``params``.
 
   Examples:
     >>> import jax

@@ -98,16 +98,15 @@ class AccumulateState(_Fields):
       ``inner`` gets on emit (its token-weighted mean over the window; see
       ``update``'s extra arguments); per device.
 
-  A state passed to ``tx.update`` is *spent*: the object is marked (a
-  Python attribute, not a leaf of the pytree), so that
-  :func:`optax_accum.apply_if_updated` refuses it in place of the state
-  that call returned. The returned state also remembers (weakly) the
-  updates returned with it, so that swapped arguments are named. Neither
-  mark changes what any call computes.
+  ``tx.update`` changes nothing it is given. The state it returns
+  remembers (weakly, not as a leaf) the updates returned with it, so that
+  :func:`optax_accum.apply_if_updated` names its parameters and updates
+  passed swapped; that changes nothing any call computes.
   """
 
   def __getstate__(self):
-    """Pickled and copied as its fields: the marks stay with the object."""
+    """Pickled and copied as its fields: the memory of the updates stays
+    with the object."""
     return None
 
   def __getattr__(self, name):
@@ -132,15 +131,6 @@ class AccumulateState(_Fields):
             f" {ours!r} here (state.{ours}); its fields are"
             f" {', '.join(_Fields._fields)}.")
       raise
-
-
-def mark_spent(state: AccumulateState) -> None:
-  """Marks a state that was passed to ``tx.update`` (see the class)."""
-  state.__dict__["spent"] = True
-
-
-def is_spent(state: AccumulateState) -> bool:
-  return state.__dict__.get("spent", False)
 
 
 def remember_updates(state: AccumulateState, updates: Any) -> None:

@@ -206,7 +206,6 @@ class Step(NamedTuple):
                                      grad_sum)
     if num_tokens is None:
       self.missing_count.warn()
-    state_lib.mark_spent(state)
     if not apply:
       state_lib.remember_updates(new_state, returned)
     return returned, new_state

@@ -47,6 +47,21 @@ def no_update(rows: list[LeafDiff], k: int) -> str | None:
   return None
 
 
+def unapplied(rows: list[LeafDiff], optimizer_states: list[str]) -> str | None:
+  """When oa.accumulate emitted an update but no other leaf moved."""
+  counts = {f"{path}.count" for path in optimizer_states}
+  emitted = any(row.path in counts and row.update > 0 for row in rows)
+  outside = [row for row in rows if row.allowed > 0 or row.update > 0
+             if not any(row.path.startswith(p) for p in optimizer_states)]
+  if emitted and outside and all(row.update == 0 for row in outside):
+    return (
+        "oa.accumulate emitted an update (its count advanced) but no"
+        " parameter moved: the updates were not applied. oa.apply_if_updated"
+        " takes the state that the same tx.update call returned, not the"
+        " one passed into it; oa.update_and_apply needs no pairing.")
+  return None
+
+
 def _counter(rows: list[LeafDiff], ratio: float) -> str | None:
   counters = [row for row in rows if row.allowed == 0]
   if not counters:

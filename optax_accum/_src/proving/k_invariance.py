@@ -275,6 +275,10 @@ def _report(splits: tuple[int, ...], results: dict, errors: dict,
                 key=lambda row: -row.excess)
   moved = any(row.update > 0 and row.allowed > 0 for row in rows)
   hint = _outcome_hint(errors, mismatch, moved, reference_k)
+  if not hint and rows:
+    hint = hints.unapplied(
+        next(iter(compared.values())),
+        state_leaves.accumulate_paths(results[reference_k])) or ""
   differing = {k: report.worst[0] for k, report in replicas.items()
                if not report.ok}
   ok = (not hint and all(row.ok for row in rows) and not differing)

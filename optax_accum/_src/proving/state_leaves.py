@@ -85,6 +85,13 @@ def field_paths(state: Any, fields: tuple[str, ...]) -> list[str]:
           for path, node in flat if _is_state(node) for field in fields]
 
 
+def accumulate_paths(state: Any) -> list[str]:
+  """The path of every AccumulateState in ``state``."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_state)
+  return [jax.tree_util.keystr(path) for path, node in flat
+          if _is_state(node)]
+
+
 def under(path: str, prefixes: list[str] | tuple[str, ...]) -> str | None:
   """The first of ``prefixes`` that names ``path`` or a subtree holding it."""
   for prefix in prefixes:

@@ -1,10 +1,9 @@
-"""``state``: ``AccumulateState``'s fields, start and step, and its marks.
+"""``state``: ``AccumulateState``'s fields, start and step.
 
-A missing attribute points from other trainers' names to ours; a state
-passed to ``tx.update`` is marked spent (the object, not a copy of its
-leaves), and the state a call returns remembers the updates returned with
-it. Where the state's fields start (``init_state``) and what an emitting
-call leaves in them (``next_state``).
+A missing attribute points from other trainers' names to ours;
+``tx.update`` changes nothing it is given, and the state a call returns
+remembers the updates returned with it. Where the state's fields start
+(``init_state``) and what an emitting call leaves in them (``next_state``).
 """
 
 import copy
@@ -76,28 +75,27 @@ def test_inner_field_names_every_place_a_field_is_found():
   assert state_lib.inner_field(inner[:1], "nu") == {"w": 2}
 
 
-def test_a_state_passed_to_update_is_spent_and_a_copy_of_it_is_not():
+def test_update_changes_nothing_it_is_given():
   tx, state = _state(equal_weights=True)
-  copy = jax.tree.map(lambda x: x, state)
+  before = jax.tree.map(lambda x: x, state)
+  marks = dict(state.__dict__)
   _, new_state = tx.update(_grads(), state, _params())
-  assert state_lib.is_spent(state)
-  assert not state_lib.is_spent(new_state)
-  assert not state_lib.is_spent(copy)  # the mark is not a leaf.
-  helpers.assert_trees_equal(copy, state)
+  assert state.__dict__ == marks  # no attribute set on the argument.
+  helpers.assert_trees_equal(before, state)
+  assert new_state is not state
 
 
-def test_a_spent_state_copies_and_pickles_as_its_fields_alone():
-  """The marks stay with the object: a copy or an unpickled state is a
-  fresh one, equal leaf by leaf."""
+def test_a_state_copies_and_pickles_as_its_fields_alone():
+  """The memory of the updates stays with the object: a copy or an
+  unpickled state is a fresh one, equal leaf by leaf."""
   tx, state = _state(equal_weights=True)
   updates, new_state = tx.update(_grads(), state, _params())
-  for clone in (copy.copy(state), copy.deepcopy(state),
-                pickle.loads(pickle.dumps(state))):
+  for clone in (copy.copy(new_state), copy.deepcopy(new_state),
+                pickle.loads(pickle.dumps(new_state))):
     assert type(clone) is state_lib.AccumulateState
-    assert not state_lib.is_spent(clone)
-    helpers.assert_trees_equal(clone, state)
+    helpers.assert_trees_equal(clone, new_state)
+  assert state_lib.returned_with(new_state, updates)
   assert not state_lib.returned_with(copy.copy(new_state), updates)
-  assert state_lib.is_spent(state)  # the original keeps its mark.
 
 
 def test_a_state_remembers_the_updates_returned_with_it():

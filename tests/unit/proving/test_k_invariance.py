@@ -306,3 +306,33 @@ def test_ignore_must_name_a_leaf(batch):
 def test_make_step_must_be_callable(batch):
   with pytest.raises(TypeError, match="make_step"):
     oa.check_k_invariance(None, _one_call_state(), batch)
+
+
+def test_the_state_passed_into_update_given_to_apply_if_updated_is_reported(
+    batch):
+  # The state before the call says whether the call before it emitted: the
+  # parameters never move, in every split alike.
+  tx_of = lambda k: oa.accumulate(optax.sgd(0.1), every_k=k)
+
+  def make_step(k):
+    tx = tx_of(k)
+
+    @jax.jit
+    def micro_step(params, opt_state, mb):
+      grads = jax.grad(helpers.mlp_mean_loss)(params, mb)
+      updates, new_state = tx.update(grads, opt_state, params,
+                                     num_tokens=helpers.num_tokens(mb))
+      return oa.apply_if_updated(params, updates, opt_state), new_state
+
+    def step(state, batch):
+      params, opt_state = state
+      for mb in helpers.split(batch, k):
+        params, opt_state = micro_step(params, opt_state, mb)
+      return params, opt_state
+
+    return step
+
+  report = oa.check_k_invariance(make_step, (_params(), tx_of(1).init(
+      _params())), batch)
+  assert not report.ok
+  assert "not the one passed into it" in report.hint, report.hint
