@@ -150,8 +150,11 @@ _WEIGHTING = (
     " when the counts are equal). The same shape comes from a transformation"
     " of each micro-batch's gradient before oa.accumulate (clipping belongs"
     " inside it), a lax.pmean of the gradient beside accumulate's axis_name"
-    " (a mean of device means), or randomness such as dropout drawn"
-    " differently for each split (check with it off).")
+    " (a mean of device means), a layer or loss that couples the examples"
+    " of a batch (BatchNorm in training normalises each micro-batch by its"
+    " own statistics; in-batch negatives want oa.coupled_value_and_grad),"
+    " or randomness such as dropout drawn differently for each split"
+    " (check with it off).")
 
 
 def hint(compared: dict[int, list[LeafDiff]], ratios: dict[int, float],

@@ -85,7 +85,6 @@ def _norm(x: jax.Array) -> jax.Array:
   return top * jnp.sqrt(jnp.sum(jnp.square(x / safe)))
 
 
-@jax.jit
 def _float_stats(x0: jax.Array, ref: jax.Array, res: jax.Array) -> dict:
   x0, ref, res = (v.astype(jnp.float32) for v in (x0, ref, res))
   u_ref, u_k, diff = ref - x0, res - x0, res - ref
@@ -105,7 +104,6 @@ def _float_stats(x0: jax.Array, ref: jax.Array, res: jax.Array) -> dict:
   }
 
 
-@jax.jit
 def _exact_stats(x0: jax.Array, ref: jax.Array, res: jax.Array) -> dict:
   x0, ref, res = (v.astype(jnp.int64 if jax.config.jax_enable_x64
                            else jnp.int32) for v in (x0, ref, res))
@@ -115,6 +113,17 @@ def _exact_stats(x0: jax.Array, ref: jax.Array, res: jax.Array) -> dict:
       "max_abs": jnp.max(diff, initial=0),
       "changes": (jnp.sum(u_ref), jnp.sum(u_k)),
   }
+
+
+def _is_float(x: jax.Array) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+@jax.jit
+def _all_stats(triples: list[tuple[jax.Array, ...]]) -> list[dict]:
+  """Every leaf's statistics in one program: compiled once per state."""
+  return [(_float_stats if _is_float(ref) else _exact_stats)(x0, ref, res)
+          for x0, ref, res in triples]
 
 
 def _fetch(tree: Any) -> Any:
@@ -130,22 +139,33 @@ def _as_numbers(x: Any) -> Any:
   return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
-def compare(path: str, k: int, x0: Any, ref: Any, res: Any,
-            rtol: float) -> LeafDiff:
-  """``res`` (after ``k`` micro-batches) against ``ref``, both from ``x0``."""
-  x0, ref, res = _as_numbers(x0), _as_numbers(ref), _as_numbers(res)
-  if jnp.issubdtype(ref.dtype, jnp.inexact):
-    s = _fetch(_float_stats(x0, ref, res))
+def _row(path: str, k: int, ref: jax.Array, s: dict, rtol: float) -> LeafDiff:
+  if _is_float(ref):
     eps = float(jnp.finfo(ref.dtype).eps)
     allowed = rtol * s["update"] + 4 * eps * s["size"]
     return LeafDiff(path, k, s["max_abs"], s["error"], allowed, s["update"],
                     s["scale"] if s["update"] > 0 else float("nan"),
                     s["residual"] < 1e-2, bool(s["nonfinite"]))
-  s = _fetch(_exact_stats(x0, ref, res))
   change_ref, change_k = s["changes"]
   scale = change_k / change_ref if change_ref else float("nan")
   return LeafDiff(path, k, s["max_abs"], s["max_abs"], 0.0,
                   abs(change_ref), scale, True, False)
+
+
+def compare(k: int, leaves: dict[str, tuple[Any, Any, Any]],
+            rtol: float) -> list[LeafDiff]:
+  """Each leaf after ``k`` micro-batches against the reference's.
+
+  Args:
+    k: the split.
+    leaves: for each path, the leaf given, the reference's and this
+      split's, of one shape and dtype.
+    rtol: the allowance relative to the reference's update.
+  """
+  triples = [tuple(map(_as_numbers, t)) for t in leaves.values()]
+  stats = _fetch(_all_stats(triples))
+  return [_row(path, k, ref, s, rtol)
+          for path, (_, ref, _), s in zip(leaves, triples, stats)]
 
 
 # A leaf whose change is under this share of its family's holds rounding.

@@ -46,8 +46,8 @@ def _is_graph_node(x: Any) -> bool:
 
 
 def _copy_leaf(x: Any) -> Any:
-  if isinstance(x, jax.Array):
-    return jax.device_put(x, x.sharding, may_alias=False)
+  if isinstance(x, jax.Array):  # where it is, committed or not.
+    return jax.device_put(x, may_alias=False)
   if isinstance(x, np.ndarray):
     return x.copy()
   return copy.deepcopy(x)
