@@ -143,6 +143,7 @@ def test_no_sync_micro_steps_are_k_invariant(variant):
 # resume.py: the micro-step reads its micro-batch by its own counter.
 
 
+@pytest.mark.slow  # compiles a transformer-sized step per split.
 def test_resume_micro_step_is_k_invariant(monkeypatch):
   # The example's micro-step draws its data from its micro-step counter
   # (resume.microbatch), so that a resumed run sees the same data. Here that
@@ -200,6 +201,7 @@ def _batchnorm_report(norm):
   return oa.check_k_invariance(make_step, state, batch, ignore=ignore)
 
 
+@pytest.mark.slow  # compiles a transformer-sized step per split.
 def test_batchnorm_linen_group_norm_twin_is_k_invariant():
   _assert_ok(_batchnorm_report("group"))
 
@@ -254,12 +256,14 @@ def _train_lm_report(naive: bool):
   return oa.check_k_invariance(make_step, (model, optimizer), batch)
 
 
+@pytest.mark.slow  # compiles a transformer-sized step per split.
 def test_train_lm_accumulate_is_k_invariant():
   report = _train_lm_report(naive=False)
   _assert_ok(report)
   assert "[1].step" in dict(report.ignored), report.ignored
 
 
+@pytest.mark.slow  # compiles a transformer-sized step per split.
 def test_train_lm_naive_multisteps_is_reported():
   report = _train_lm_report(naive=True)
   _assert_reported(report)
@@ -269,6 +273,7 @@ def test_train_lm_naive_multisteps_is_reported():
 # noise_scale/: accumulate(every_k=None, with_stats=True), emit=True at k.
 
 
+@pytest.mark.slow  # compiles a transformer-sized step per split.
 def test_noise_scale_fixed_k_micro_step_is_k_invariant():
   # The fixed run: target_tokens infinite, the cycle ends after max_k = k
   # micro-batches. (The adaptive run ends its cycles by token count, not
@@ -307,6 +312,7 @@ def test_noise_scale_fixed_k_micro_step_is_k_invariant():
 # fsdp_tensor/: data x fsdp x tensor mesh, Flax NNX with logical axes.
 
 
+@pytest.mark.slow  # compiles a transformer-sized step per split.
 def test_fsdp_tensor_train_step_is_k_invariant():
   # k = 2, the example's default: 2 rows per data device and micro-batch.
   example = helpers.import_example("fsdp_tensor/main")
