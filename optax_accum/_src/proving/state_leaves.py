@@ -42,7 +42,10 @@ def _nnx() -> Any:
 
 def _is_graph_node(x: Any) -> bool:
   nnx = _nnx()
-  return nnx is not None and isinstance(x, nnx.Pytree)
+  if nnx is None:
+    return False
+  base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
+  return base is not None and isinstance(x, base)
 
 
 def _copy_leaf(x: Any) -> Any:
