@@ -16,6 +16,14 @@ models and the compile-only devices that the benchmarks use too are in the
 top-level ``zoo`` package (``from zoo import typed_model``), found in the
 repository root: pytest puts it on ``sys.path`` to load the root conftest.py.
 Every test module has its own basename: pytest imports them by it.
+
+Two tiers: ``python -m pytest -q`` leaves out the tests marked
+``pytest.mark.slow`` (``addopts`` in pyproject.toml): the examples and
+the guides run end to end, several processes, the benchmarks, the programs
+compiled for TPU and GPU, and the tests and parametrized variants measured
+slowest (about 2 s or more each on 2 CPU cores).
+``python -m pytest -q -m slow`` runs those alone, ``-m ""`` both; CI runs
+the first in both of its environments and the second once.
 """
 
 import importlib.util

@@ -18,8 +18,9 @@ import pytest
 import helpers
 from zoo import compile_only as co
 
-pytestmark = pytest.mark.skipif(co.missing_gpu() is not None,
-                                reason=co.missing_gpu() or "")
+pytestmark = [pytest.mark.skipif(co.missing_gpu() is not None,
+                                 reason=co.missing_gpu() or ""),
+              pytest.mark.slow]
 
 WORKER = helpers.SUPPORT / "compiled_gpu_worker.py"
 # The worker's data x tensor step, checked by oa.check_train_step in a child

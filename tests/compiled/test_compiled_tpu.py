@@ -23,8 +23,9 @@ from zoo import compile_only as co
 from zoo import peers
 from zoo import typed_model as tm
 
-pytestmark = pytest.mark.skipif(co.missing_tpu() is not None,
-                                reason=co.missing_tpu() or "")
+pytestmark = [pytest.mark.skipif(co.missing_tpu() is not None,
+                                 reason=co.missing_tpu() or ""),
+              pytest.mark.slow]
 
 BATCH = 64
 K = 4

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import optax_accum as oa
 from optax_accum._src.tools import memory_analysis
@@ -170,6 +171,7 @@ def test_zero_updates_are_written_once_not_copied():
   assert _param_sized_copies(text, shape) == 0
 
 
+@pytest.mark.slow
 def test_donated_micro_steps_peak_no_higher_than_multisteps():
   """SPEC 11 (issue 38, item 3) on CPU: a donated micro-step of ours, applied
   in the emitting branch (oa.update_and_apply), by oa.apply_if_updated or by

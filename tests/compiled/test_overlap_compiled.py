@@ -39,6 +39,7 @@ _NEEDS_TPU = pytest.mark.skipif(co.missing_tpu() is not None,
                                 reason=co.missing_tpu() or "")
 _NEEDS_GPU = pytest.mark.skipif(co.missing_gpu() is not None,
                                 reason=co.missing_gpu() or "")
+pytestmark = pytest.mark.slow
 
 
 def _child_report(platform: str, **env: str) -> dict:

@@ -19,6 +19,8 @@ LATEST = [BENCHMARKS / "results" / f"latest.{ext}"
 # Every benchmark module, found by name: a new one is smoke-tested unasked.
 BENCH_MODULES = sorted(p.stem for p in BENCHMARKS.glob("bench_*.py"))
 
+pytestmark = pytest.mark.slow
+
 
 def _digests(paths):
   return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()

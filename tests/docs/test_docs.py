@@ -149,7 +149,21 @@ PRINTED = {
 }
 
 
-@pytest.mark.parametrize("path", _site_markdown())
+# The pages whose blocks take longest (3 to 30 s each on 2 CPU cores) run in
+# the slow tier (`python -m pytest -q -m slow`), the others in every run.
+SLOW_PAGES = frozenset({
+    "docs/composing.md", "docs/coupled_losses.md", "docs/flax.md",
+    "docs/planner.md", "docs/proving.md", "docs/reduced_leaves.md",
+    "docs/semantics.md", "docs/zero.md"})
+
+
+def test_the_slow_pages_are_pages_of_the_site():
+  assert SLOW_PAGES <= set(_site_markdown()), SLOW_PAGES - set(_site_markdown())
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(path, marks=pytest.mark.slow) if path in SLOW_PAGES else path
+    for path in _site_markdown()])
 def test_site_python_blocks_run(path, capsys):
   """Every ```python block of the site runs, in order, in one namespace.
 

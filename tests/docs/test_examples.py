@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).parents[2]
 EXAMPLES = ROOT / "examples"
 
 
+@pytest.mark.slow
 def test_train_lm_accumulation_follows_the_full_batch_and_naive_does_not(
     tmp_path, capsys):
   train_lm = helpers.import_example("train_lm/main")
@@ -62,6 +63,7 @@ def test_help_gives_every_flag_a_help_text_and_its_default(
 
 
 @pytest.mark.parametrize("example", ["train_lm", "mesh_2d", "rl_token_level"])
+@pytest.mark.slow
 def test_folder_examples_run_as_scripts_from_anywhere(example, tmp_path):
   """``python examples/<example>/main.py`` finds its sibling modules."""
   script = EXAMPLES / example / "main.py"
@@ -71,6 +73,7 @@ def test_folder_examples_run_as_scripts_from_anywhere(example, tmp_path):
   assert "(default: " in done.stdout
 
 
+@pytest.mark.slow
 def test_batchnorm_linen_group_norm_is_exact_and_batch_norm_trains_as_well():
   batchnorm_linen = helpers.import_example("batchnorm_linen")
   k = 2
@@ -93,6 +96,7 @@ def test_batchnorm_linen_group_norm_is_exact_and_batch_norm_trains_as_well():
   assert np.abs(np.asarray(stats["mean"])).max() > 0.01  # moved from init
 
 
+@pytest.mark.slow
 def test_resume_mid_cycle_in_a_new_process_is_bit_identical(tmp_path, capsys):
   resume = helpers.import_example("resume")
   k, save_at, micro_steps = 4, 5, 10
@@ -117,6 +121,7 @@ def test_resume_mid_cycle_in_a_new_process_is_bit_identical(tmp_path, capsys):
   assert int(restored["micro_step"]) == micro_steps
 
 
+@pytest.mark.slow
 def test_scan_train_step_is_the_full_batch_gradient_and_the_loss_falls():
   scan_train_step = helpers.import_example("scan_train_step")
   results = scan_train_step.main([])
@@ -142,6 +147,7 @@ def test_scan_train_step_is_the_full_batch_gradient_and_the_loss_falls():
     assert abs(mean_of_means - full) > 1e-2 * full, metric
 
 
+@pytest.mark.slow
 def test_no_sync_reduces_once_per_update_and_is_the_full_batch_step(capsys):
   results = helpers.import_example("no_sync").main(["--k", "4", "--rows", "16"])
   assert results["jax.grad"]["reductions"] == 4  # the naive loop: k.
@@ -151,6 +157,7 @@ def test_no_sync_reduces_once_per_update_and_is_the_full_batch_step(capsys):
   assert "1 gradient all-reduce(s) per update" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_rl_token_level_sum_losses_are_the_full_batch_and_naive_is_not(
     capsys):
   """GRPO/DAPO token-level normalisation over micro-batches of uneven lengths.
@@ -197,6 +204,7 @@ def test_readme_commands_name_scripts_that_exist():
       assert (ROOT / script).is_file(), (readme, script)
 
 
+@pytest.mark.slow
 def test_train_lm_plot_draws_the_accumulated_gap_above_the_zero_line(
     tmp_path, monkeypatch):
   """(b)'s gap to (a) is zero to rounding: the zero line must not hide it."""

@@ -5,6 +5,9 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
 
 FOLDER = pathlib.Path(__file__).parents[2] / "examples" / "contrastive"
 

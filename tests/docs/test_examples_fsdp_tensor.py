@@ -9,12 +9,15 @@ reduced (LayerNorms, a bias, the positions) are reduced inside the loop, and
 nothing is gathered over "tensor" beyond the full-batch step's.
 """
 
+import pytest
+
 import helpers
 
 _SMALL = ["--k", "2", "--steps", "2", "--batch", "16", "--seq-len", "16",
           "--dim", "32", "--layers", "1"]
 
 
+@pytest.mark.slow
 def test_fsdp_tensor_example_is_exact_and_reduces_over_data_after_the_loop(
     capsys):
   results = helpers.import_example("fsdp_tensor/main").main(_SMALL)

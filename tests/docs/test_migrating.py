@@ -19,6 +19,8 @@ import pytest
 import helpers
 import optax_accum as oa
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def run():

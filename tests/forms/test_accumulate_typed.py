@@ -100,6 +100,7 @@ def _neg(tree):
   return jax.tree.map(jnp.negative, tree)
 
 
+@pytest.mark.slow
 def test_reduces_once_per_update_exactly_without_axis_name():
   batches = _micro_batches()
   tx = oa.accumulate(optax.sgd(1.0), every_k=K)
@@ -140,6 +141,7 @@ def test_naive_loop_reduces_every_call():
   assert counts.outside.get("all-reduce", 0) >= 1, counts
 
 
+@pytest.mark.slow
 def test_adamw_schedule_clipping_trajectory_matches_full_batch():
   """Two updates of a clipped adamw with a schedule, as on the full batch."""
   batches = _micro_batches(2 * K, seed=3)
@@ -173,6 +175,7 @@ def test_adamw_schedule_clipping_trajectory_matches_full_batch():
   helpers.assert_trees_close(params, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_emit_partial_window_and_empty_micro_step():
   batches = _micro_batches(3, seed=5)
   empty = jax.tree.map(jnp.zeros_like, batches[1])  # no token at all.
@@ -202,6 +205,7 @@ def test_emit_partial_window_and_empty_micro_step():
   helpers.assert_trees_equal(flushed, jax.tree.map(jnp.zeros_like, flushed))
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_is_one_global_decision():
   batches = _micro_batches()
   bad = dict(batches[2])
@@ -221,6 +225,7 @@ def test_skip_nonfinite_is_one_global_decision():
 
 
 @pytest.mark.parametrize("layout", ["hsdp", "data_tensor"])
+@pytest.mark.slow
 def test_hsdp_and_data_tensor_meshes(layout):
   batches = _micro_batches()
   if layout == "hsdp":
@@ -254,6 +259,7 @@ def test_hsdp_and_data_tensor_meshes(layout):
       assert not c.outside, (axes_, counts)
 
 
+@pytest.mark.slow
 def test_axis_name_is_checked_against_the_types():
   """Given too, axis_name must name the axes the gradients are unreduced
   over (a state built with it keeps slots), or our error names it."""
@@ -287,6 +293,7 @@ def test_replicated_gradients_still_work_without_axis_name():
 
 
 @pytest.mark.parametrize("hsdp", [False, True])
+@pytest.mark.slow
 def test_mid_cycle_checkpoint_restores_bit_for_bit(tmp_path, hsdp):
   batches = _micro_batches()
   tx = oa.accumulate(optax.adam(0.1), every_k=K)

@@ -129,6 +129,7 @@ def test_deferred_inside_shard_map_gives_device_local_partials():
   helpers.assert_trees_close(grads, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_accumulate_reduces_once_per_update_exactly():
   batches = _micro_batches()
   tx = oa.accumulate(optax.sgd(1.0), every_k=K, axis_name="data")
@@ -154,6 +155,7 @@ def test_accumulate_reduces_once_per_update_exactly():
 
 @pytest.mark.parametrize("axis_name", [None, "data"])
 @pytest.mark.parametrize("apply", ["update_and_apply", "tx.update"])
+@pytest.mark.slow
 def test_the_state_after_a_call_reduces_only_when_it_emits(apply, axis_name):
   """The program of every call after the first (the sum now typed
   unreduced, as the README's recipe has it, without axis_name): no
@@ -203,6 +205,7 @@ def test_naive_loop_reduces_the_gradient_on_every_call():
   assert _all_reduce_sizes(compiled)[-1] == DIM * HIDDEN
 
 
+@pytest.mark.slow
 def test_emit_and_should_skip_and_counts():
   batches = _micro_batches()
   # Micro-step 1 (the second) is skipped; the cycle ends early on step 2.
@@ -225,6 +228,7 @@ def test_emit_and_should_skip_and_counts():
       updates, jax.tree.map(jnp.negative, expected), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_is_a_global_decision():
   batches = _micro_batches()
   bad = dict(batches[2])
@@ -249,6 +253,7 @@ def test_skip_nonfinite_is_a_global_decision():
   assert oa.count_collectives(compiled).outside == {"all-reduce": 2}
 
 
+@pytest.mark.slow
 def test_checkpoint_mid_cycle_resumes_exactly(tmp_path):
   batches = _micro_batches()
   tx = oa.accumulate(optax.adam(0.1), every_k=K, axis_name="data")
@@ -270,6 +275,7 @@ def test_checkpoint_mid_cycle_resumes_exactly(tmp_path):
   helpers.assert_trees_equal(resumed, straight)
 
 
+@pytest.mark.slow
 def test_hsdp_reduce_scatters_each_call_and_reduces_replica_once():
   batches = _micro_batches()
   axis_name = ("replica", "fsdp")

@@ -85,6 +85,7 @@ def _per_device(tree):
 # value_and_grad inside shard_map and pmap.
 
 
+@pytest.mark.slow
 def test_value_and_grad_in_shard_map_reduces_once_after_the_loop():
   mesh = _mesh(AxisType.Auto)
   fn = jax.jit(jax.shard_map(
@@ -105,6 +106,7 @@ def test_value_and_grad_in_shard_map_reduces_once_after_the_loop():
   assert oa.count_collectives(naive.lower(params, batch).compile()).in_loop
 
 
+@pytest.mark.slow
 def test_value_and_grad_in_pmap_reduces_once_after_the_loop():
   fn = jax.pmap(_fn(axis_name="data"), axis_name="data", in_axes=(None, 0))
   params, batch = _params(), _per_device(_data())
@@ -141,6 +143,7 @@ def test_value_and_grad_inside_shard_map_threads_model_state():
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.slow
 def test_value_and_grad_under_jit_reduces_once_after_the_loop(axis_type):
   mesh = _mesh(axis_type)
   with jax.set_mesh(mesh):
@@ -160,6 +163,7 @@ def test_value_and_grad_under_jit_reduces_once_after_the_loop(axis_type):
   assert naive.in_loop["all-reduce"] >= 1  # each runs once per micro-batch.
 
 
+@pytest.mark.slow
 def test_value_and_grad_under_jit_with_fsdp_params_reduce_scatters():
   mesh = _mesh(AxisType.Explicit)
   with jax.set_mesh(mesh):
@@ -244,6 +248,7 @@ def _shard_map_step(tx, fused=False):
 @pytest.mark.parametrize("axis_type,fused", [
     (AxisType.Explicit, False), (AxisType.Auto, False),
     (AxisType.Explicit, True)])
+@pytest.mark.slow
 def test_accumulate_in_shard_map_reduces_only_in_the_emitting_branch(
     axis_type, fused,
 ):
@@ -295,6 +300,7 @@ def test_accumulate_in_shard_map_initialised_inside_it():
   )
 
 
+@pytest.mark.slow
 def test_accumulate_in_shard_map_skips_one_devices_nonfinite_micro_step():
   tx = oa.accumulate(
       optax.sgd(1.0), every_k=1, axis_name="data", skip_nonfinite=True
@@ -323,6 +329,7 @@ def test_accumulate_in_shard_map_skips_one_devices_nonfinite_micro_step():
 
 
 @pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.slow
 def test_accumulate_in_pmap_reduces_only_in_the_emitting_branch(fused):
   inner = optax.sgd(0.5, momentum=0.9)  # scale-sensitive, unlike adam.
   tx = oa.accumulate(inner, every_k=K, axis_name="data")
@@ -397,6 +404,7 @@ def test_accumulate_under_plain_jit_names_the_axis():
 # state_partition_specs.
 
 
+@pytest.mark.slow
 def test_state_partition_specs_suit_a_shard_map_over_data_on_a_2d_mesh():
   """docs/distributed.md's pattern with w split over an Explicit "model" axis.
 
@@ -432,6 +440,7 @@ def test_state_partition_specs_suit_a_shard_map_over_data_on_a_2d_mesh():
       rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_accumulate_on_a_2d_mesh_in_shard_map_with_sharded_params():
   """Manual over data and model: the inner state takes the params' specs."""
   mesh = _mesh(AxisType.Explicit, (4, 2), ("data", "model"))
@@ -474,6 +483,7 @@ def test_accumulate_on_a_2d_mesh_in_shard_map_with_sharded_params():
 
 
 @pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+@pytest.mark.slow
 def test_mesh_2d_example_matches_the_single_device_full_batch(
     axis_types, capsys):
   mesh_2d = helpers.import_example("mesh_2d/main")
@@ -506,6 +516,7 @@ def test_mesh_2d_example_matches_the_single_device_full_batch(
   assert "optax_accum     data   none" in printed, printed
 
 
+@pytest.mark.slow
 def test_docs_distributed_snippets_run_and_print_what_they_say(capsys):
   """The ```python blocks of docs/distributed.md, in order, in one namespace."""
   namespace = helpers.run_markdown_snippets("docs/distributed.md", min_blocks=5)

@@ -79,7 +79,8 @@ def _mesh(shape=(N,), names=("data",), axis_type=AxisType.Explicit):
   return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
 
 
-@pytest.mark.parametrize("under", ["jit", "shard_map"])
+@pytest.mark.parametrize("under", [
+    "jit", pytest.param("shard_map", marks=pytest.mark.slow)])
 @pytest.mark.parametrize(("gradient_sync", "gather_params"), POLICIES)
 def test_every_policy_is_exact_sharded_and_placed(
     gradient_sync, gather_params, under):
@@ -153,6 +154,7 @@ def test_auto_axes_use_the_given_param_specs():
   assert (counts.in_loop, counts.outside) == _expected_counts(EVERY, EVERY)
 
 
+@pytest.mark.slow
 def test_sharded_over_one_of_two_data_axes_sums_over_the_other_once():
   mesh = _mesh((4, 2), ("data", "fsdp"))
   specs = {"w1": P("fsdp"), "b1": P(), "w2": P()}
@@ -246,6 +248,7 @@ def _memory_per_device(gradient_sync, gather_params,
           + memory.output_size_in_bytes - memory.alias_size_in_bytes)
 
 
+@pytest.mark.slow
 def test_per_microbatch_policies_cut_memory_per_device():
   memory = {policy: _memory_per_device(*policy) for policy in POLICIES}
   report = {p: f"{m / PARAM_BYTES:.2f} x params" for p, m in memory.items()}
@@ -264,6 +267,7 @@ def test_per_microbatch_policies_cut_memory_per_device():
   assert memory[EVERY, ONCE] - memory[EVERY, EVERY] >= 0.9 * layer, report
 
 
+@pytest.mark.slow
 def test_the_typed_form_gathers_per_microbatch_to_save_memory():
   """Explicit axes: gather_params="every_microbatch" saves about a layer.
 

@@ -119,7 +119,8 @@ def test_plan_microbatches_is_refused_the_same():
                            memory_budget=2**30, equal_weights=True)
 
 
-@pytest.mark.parametrize("shape", [(4, 2), (8, 1)])
+@pytest.mark.parametrize("shape", [
+    (4, 2), pytest.param((8, 1), marks=pytest.mark.slow)])
 @pytest.mark.parametrize("axis_name", [None, "data"])
 @pytest.mark.parametrize("entry", ["value_and_grad", "coupled"])
 def test_auto_data_next_to_an_explicit_axis_is_exact(shape, axis_name,
@@ -136,7 +137,8 @@ def test_deferred_on_auto_data_axes_is_refused_by_name():
       _grads("deferred", "data")
 
 
-@pytest.mark.parametrize("shape", [(4, 2), (8, 1), (1, 8)])
+@pytest.mark.parametrize("shape", [
+    (4, 2), pytest.param((8, 1), marks=pytest.mark.slow), (1, 8)])
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_all_explicit_is_exact_with_size_one_axes(shape, entry):
   """The control: the same model, every axis Explicit (typed form).
@@ -151,6 +153,7 @@ def test_all_explicit_is_exact_with_size_one_axes(shape, entry):
                              atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_size_one_explicit_data_axis_next_to_auto_is_single_and_exact():
   """Data of size 1: nothing to reduce over, no typed form, exact."""
   with jax.set_mesh(_mesh((1, 8), (E, A))):
@@ -194,6 +197,7 @@ def test_xla_still_double_counts(monkeypatch):
                              atol=1e-6)
 
 
+@pytest.mark.slow
 def test_accumulate_of_jax_grad_on_a_mixed_mesh_is_exact():
   """The loop of one jit call per micro-batch, gradients reduced by JAX."""
   tx = oa.accumulate(optax.sgd(1.0), every_k=2)

@@ -17,6 +17,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
+import pytest
 
 import helpers
 import optax_accum as oa
@@ -90,6 +91,7 @@ def _gradient_reductions_outside_branch(compiled):
   return data.outside
 
 
+@pytest.mark.slow
 def test_nnx_optimizer_on_a_sharded_model():
   batches = _batches()
   with jax.set_mesh(_mesh()):
@@ -123,6 +125,7 @@ def test_nnx_optimizer_on_a_sharded_model():
   helpers.assert_trees_close(after, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_linen_train_state_holds_the_state():
   batches = _batches(seed=1)
   tx = oa.accumulate(optax.sgd(0.5), every_k=K)

@@ -87,6 +87,7 @@ def _shard_map(fn, params, batch):
 
 @pytest.mark.parametrize("empty", [(), (1,), (K - 1,)])
 @pytest.mark.parametrize("form", ["typed", "shard_map"])
+@pytest.mark.slow
 def test_matches_the_full_batch(form, empty):
   params = helpers.mlp_params(DIM, 8, seed=0)
   batch = _batch(1, empty)
@@ -123,6 +124,7 @@ def test_no_tokens_at_all_gives_zeros_not_nan(form):
 
 
 @pytest.mark.parametrize("num_real", [1, 3])
+@pytest.mark.slow
 def test_a_traced_count_of_real_micro_batches(num_real):
   """The ``num_real``-th runs after the loop; the others are not computed."""
   params = helpers.mlp_params(DIM, 8, seed=0)

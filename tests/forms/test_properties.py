@@ -166,6 +166,7 @@ _EXAMPLES = (
 @hypothesis.example(case=_EXAMPLES[0], loss_name="mean")
 @hypothesis.example(case=_EXAMPLES[1], loss_name="sum")
 @hypothesis.example(case=_EXAMPLES[2], loss_name="mean")
+@pytest.mark.slow
 def test_value_and_grad_matches_full_batch(case, loss_name):
   _, k, lengths, seed = case
   params, batch = _params(), _batch(lengths, seed)
@@ -192,6 +193,7 @@ def test_tokens_only_in_the_last_micro_batch():
 @hypothesis.example(case=_EXAMPLES[1], loss_name="sum")
 @hypothesis.example(case=_EXAMPLES[2], loss_name="mean")
 @hypothesis.example(case=_EXAMPLES[3], loss_name="sum")
+@pytest.mark.slow
 def test_accumulate_matches_full_batch(case, loss_name):
   _, k, lengths, seed = case
   params, batch = _params(), _batch(lengths, seed)
@@ -253,6 +255,7 @@ def test_accumulate_matches_full_batch(case, loss_name):
 @hypothesis.settings(SETTINGS, max_examples=15)
 @hypothesis.given(case=_cases())
 @hypothesis.example(case=_EXAMPLES[0])
+@pytest.mark.slow
 def test_mean_of_means_differs_iff_token_counts_are_uneven(case):
   """Unweighted averaging of micro-batch means is exact only for even counts.
 
@@ -311,6 +314,7 @@ def _first_n_value_and_grad(k):
 @SETTINGS
 @hypothesis.given(case=_cases(), data=st.data())
 @hypothesis.example(case=_EXAMPLES[0], data=None)
+@pytest.mark.slow
 def test_first_n_micro_batches_are_their_own_full_batch(case, data):
   """num_real_microbatches=n: the mean and the max over the first n only.
 

@@ -93,7 +93,9 @@ def info_nce(w, reps, batch):
   return -jnp.mean(jnp.diag(jax.nn.log_softmax(logits, axis=1)))
 
 
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("form", [
+    f if "axis_name" in f or f == "one device"
+    else pytest.param(f, marks=pytest.mark.slow) for f in FORMS])
 def test_the_coupled_losses_recipe(form):
   """On jax 0.9.1 the typed form gave D x the gradient of a parameter that
   encode_fn uses twice (a plain carry add of unreduced sums)."""
@@ -156,6 +158,7 @@ def test_the_readme_no_sync_loop(form, accumulate_axis_name):
                              atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_readme_no_sync_loop_on_a_one_device_mesh():
   """Failed before: refused, though a data axis of size 1 has nothing to
   defer (a laptop's jax.make_mesh((1,), ...))."""

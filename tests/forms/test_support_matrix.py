@@ -588,7 +588,26 @@ def _check_rng(cell, mesh, compiled, context):
   assert float(first) != float(_reference(cell["feature"])[0])
 
 
-@pytest.mark.parametrize("cell", CELLS + REFUSED_CELLS,
+def first_of_each_value(cells) -> list[dict]:
+  """The cells that, in order, are the first to hold a value of a dimension."""
+  seen, first = set(), []
+  for cell in cells:
+    if not set(cell.items()) <= seen:
+      first.append(cell)
+      seen |= set(cell.items())
+  return first
+
+
+# Every value of every dimension (entry point, form, mesh, layouts, feature)
+# runs in every test run, in the first covering cell that holds it; the rest
+# of the covering (every pair) runs in the slow tier (-m slow).
+_EVERY_RUN = {cell_id(c) for c in first_of_each_value(CELLS)}
+
+
+@pytest.mark.parametrize("cell", [
+    c if cell_id(c) in _EVERY_RUN or c in REFUSED_CELLS
+    else pytest.param(c, marks=pytest.mark.slow)
+    for c in CELLS + REFUSED_CELLS],
                          ids=[cell_id(c) for c in CELLS + REFUSED_CELLS])
 def test_support_matrix(cell):
   key = cell_id(cell)
@@ -629,6 +648,13 @@ def test_loop_collectives_tell_a_naive_scans_data_reductions():
              for op, spanned in counts), counts
   with pytest.raises(AssertionError):
     _check_collectives(cell, compiled)
+
+
+def test_the_cells_of_every_run_hold_every_value_of_the_covering():
+  for name in DIMENSIONS:
+    assert ({c[name] for c in first_of_each_value(CELLS)}
+            == {c[name] for c in CELLS}), name
+  assert len(_EVERY_RUN) < len(CELLS) / 2
 
 
 def test_pairwise_cover_covers_every_allowed_pair_with_few_cells():

@@ -74,6 +74,7 @@ def _close(got, want):
 
 
 @pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.slow
 def test_a_cookbook_style_model_is_exact_and_reduces_after_the_loop(name):
   cfg = MESHES[name][2]
   mesh = _mesh(name)
@@ -104,6 +105,7 @@ def test_a_cookbook_style_model_is_exact_and_reduces_after_the_loop(name):
         ("tensor",)].total.get("all-gather", 0)
 
 
+@pytest.mark.slow
 def test_the_naive_scan_reduces_every_microbatch():
   """The negative control: jax.grad in a lax.scan reduces in the loop."""
   cfg = MESHES["data_tensor"][2]
@@ -128,6 +130,7 @@ def test_the_naive_scan_reduces_every_microbatch():
       10 * tm.init(tm.Config())["pos"].size * 4)
 
 
+@pytest.mark.slow
 def test_temporary_memory_is_below_the_full_batch():
   cfg = MESHES["data_tensor"][2]
   with jax.set_mesh(_mesh("data_tensor")):
@@ -140,6 +143,7 @@ def test_temporary_memory_is_below_the_full_batch():
   assert ours.temp_size_in_bytes < full.temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_axis_name_is_read_off_the_batch_and_checked_when_given():
   cfg = MESHES["data_tensor"][2]
   with jax.set_mesh(_mesh("data_tensor")):
@@ -153,6 +157,7 @@ def test_axis_name_is_read_off_the_batch_and_checked_when_given():
   helpers.assert_trees_equal(without, given)
 
 
+@pytest.mark.slow
 def test_a_replicated_batch_with_axis_name_is_split_without_moving_data():
   cfg = MESHES["data_tensor"][2]
   with jax.set_mesh(_mesh("data_tensor")):
@@ -162,6 +167,7 @@ def test_a_replicated_batch_with_axis_name_is_split_without_moving_data():
   _close(got, _reference())
 
 
+@pytest.mark.slow
 def test_rng_aux_state_grad_reduction_num_real_and_stats_are_exact():
   """Sections 3-9 in the typed form, against one device's micro-batches."""
   one = tm.on_one_device(tm.Config())
@@ -214,6 +220,7 @@ def _blocked(batch, devices):
   return jax.tree.map(reorder, batch)
 
 
+@pytest.mark.slow
 def test_deferred_is_unreduced_over_data_on_a_mesh_with_model_axes():
   cfg = MESHES["data_tensor"][2]
   with jax.set_mesh(_mesh("data_tensor")):
@@ -228,6 +235,7 @@ def test_deferred_is_unreduced_over_data_on_a_mesh_with_model_axes():
   _close((loss, summed), _reference())
 
 
+@pytest.mark.slow
 def test_sharding_report_names_the_fallback_leaf_and_its_share():
   cfg = MESHES["data_tensor"][2]
   with jax.set_mesh(_mesh("data_tensor")):
@@ -244,6 +252,7 @@ def test_sharding_report_names_the_fallback_leaf_and_its_share():
   assert "jnp.einsum" in report.message()
 
 
+@pytest.mark.slow
 def test_the_fallback_warning_is_given_once(monkeypatch):
   cfg = MESHES["data_tensor"][2]
   reduced_fallbacks._warned.clear()
@@ -321,6 +330,7 @@ with jax.set_mesh(mesh):
 """
 
 
+@pytest.mark.slow
 def test_a_cast_that_xla_aborts_on_is_kept_replicated(tmp_path):
   """Shardy aborted the process compiling this reduced table's gradient."""
   script = tmp_path / "gather.py"
@@ -332,6 +342,7 @@ def test_a_cast_that_xla_aborts_on_is_kept_replicated(tmp_path):
   assert float(out.stdout.split()[-1]) < 1e-6  # the full batch's gradient.
 
 
+@pytest.mark.slow
 def test_with_the_positions_broadcast_no_gradient_is_reduced_in_the_loop():
   """The same decoder, its positional add written for reduced types."""
   cfg = MESHES["data_tensor"][2]._replace(pos_broadcast=True)

@@ -17,6 +17,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
+import pytest
 
 import optax_accum as oa
 
@@ -42,6 +43,7 @@ def _non_scalar_copies(text):
           if int(np.prod([int(d) for d in m.group(1).split(",") if d])) > 1]
 
 
+@pytest.mark.slow
 def test_donated_non_emitting_call_is_in_place():
   rng = np.random.default_rng(0)
   tx = oa.accumulate(optax.adamw(1e-2), every_k=K)

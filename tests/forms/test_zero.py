@@ -114,6 +114,7 @@ def test_zero_specs_name_a_missing_mesh_and_unknown_axes():
 
 
 @pytest.mark.parametrize("sync", ["once", "every_microbatch"])
+@pytest.mark.slow
 def test_value_and_grad_zero_matches_the_full_batch(sync):
   micro_batches = _micro_batches()
   opt = _optimizer()
@@ -193,6 +194,7 @@ def _accumulate_run(tx, micro_batches, mesh, fused=False):
 
 @pytest.mark.filterwarnings("ignore:1 parameter leaves cannot be typed")
 @pytest.mark.parametrize("sync", ["once", "every_microbatch"])
+@pytest.mark.slow
 def test_accumulate_zero_matches_the_full_batch(sync):
   micro_batches = _micro_batches()
   tx = oa.accumulate(_optimizer(), K, shard_optimizer="data",
@@ -222,6 +224,7 @@ def test_accumulate_zero_matches_the_full_batch(sync):
 
 @pytest.mark.filterwarnings("ignore:1 parameter leaves cannot be typed")
 @pytest.mark.parametrize("shard_optimizer", [None, "data"])
+@pytest.mark.slow
 def test_update_and_apply_matches_the_full_batch(shard_optimizer):
   """The updates applied in the emitting branch: the deferred typed form,
   and ZeRO-1 (whose branch gathers the updates, then applies them)."""
@@ -234,6 +237,7 @@ def test_update_and_apply_matches_the_full_batch(shard_optimizer):
 
 
 @pytest.mark.filterwarnings("ignore:1 parameter leaves cannot be typed")
+@pytest.mark.slow
 def test_accumulate_zero_on_a_data_by_tensor_mesh():
   mesh = _mesh((4, 2), ("data", "tensor"))
   micro_batches = _micro_batches(rows=8)
@@ -257,6 +261,7 @@ def test_accumulate_zero_on_a_data_by_tensor_mesh():
 
 
 @pytest.mark.filterwarnings("ignore:1 parameter leaves cannot be typed")
+@pytest.mark.slow
 def test_accumulate_zero2_resumes_mid_window_from_a_checkpoint(tmp_path):
   micro_batches = _micro_batches()
   tx = oa.accumulate(_optimizer(), K, shard_optimizer="data",
@@ -398,6 +403,7 @@ needs_optimizer_sharding = pytest.mark.skipif(
 
 
 @needs_optimizer_sharding
+@pytest.mark.slow
 def test_nnx_optimizer_sharding_metadata_makes_a_zero_state():
   """SPEC 12: Variables carrying Flax's ``optimizer_sharding`` give adamw
   sharded state (no argument of ours); each update's gradient-sized updates
@@ -451,6 +457,7 @@ def _nnx_emit_collectives(optimizer_sharding, **zero):
 
 
 @needs_optimizer_sharding
+@pytest.mark.slow
 def test_nnx_optimizer_sharding_with_deferred_gradients_is_zero1():
   """Issue 50 item 1, read from the compiled program: one reduce-scatter per
   sharded leaf into adamw's shards on emit (only ``odd``'s 12 bytes are
@@ -473,6 +480,7 @@ def test_nnx_optimizer_sharding_with_deferred_gradients_is_zero1():
 
 
 @needs_optimizer_sharding
+@pytest.mark.slow
 def test_nnx_optimizer_sharding_zero2_scatters_each_call_into_the_sum():
   """ZeRO-2 as docs/zero.md says (shard_optimizer and gradient_sync=
   "every_microbatch" on oa.accumulate) with the same Variables: each call
@@ -492,6 +500,7 @@ def test_nnx_optimizer_sharding_zero2_scatters_each_call_into_the_sum():
 @needs_optimizer_sharding
 @pytest.mark.parametrize("zero", [
     {}, {"shard_optimizer": "data", "gradient_sync": "every_microbatch"}])
+@pytest.mark.slow
 def test_nnx_optimizer_sharding_with_deferred_gradients_matches_the_full_batch(
     zero):
   """The same per-call loop (ZeRO-1, and ZeRO-2), two updates of uneven

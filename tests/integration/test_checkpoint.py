@@ -74,6 +74,7 @@ def _save_and_restore(path, tree, abstract_tree):
     return checkpointer.restore(path, abstract_tree)
 
 
+@pytest.mark.slow
 def test_state_is_a_pytree_of_arrays():
   # Eagerly: under jit every output would be an array anyway.
   tx, params = _tx(), _params()
@@ -98,6 +99,7 @@ def test_state_is_a_pytree_of_arrays():
     chex.assert_trees_all_equal_shapes_and_dtypes(state, states[0])
 
 
+@pytest.mark.slow
 def test_resume_mid_cycle_matches_uninterrupted_run_bit_for_bit(tmp_path):
   tx = _tx()
   step = _make_step(tx)
@@ -161,6 +163,7 @@ def _target(state):
       x.shape, x.dtype, sharding=x.sharding), state)
 
 
+@pytest.mark.slow
 def test_sharded_nnx_model_restores_mid_cycle_under_an_explicit_mesh(
     tmp_path):
   """docs/flax.md's sharded restore (issue 28), against the naive target."""

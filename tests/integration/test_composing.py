@@ -136,6 +136,7 @@ def differences() -> dict[str, tuple[float, float]]:
 
 
 @pytest.mark.parametrize("name", sorted(COMPOSITIONS))
+@pytest.mark.slow
 def test_matches_the_full_batch(name):
   diff, moved = _difference(*COMPOSITIONS[name])
   assert moved > 1e-2, (name, moved)  # the run did something.
@@ -143,11 +144,13 @@ def test_matches_the_full_batch(name):
 
 
 @pytest.mark.parametrize("name", sorted(NOT_EXACT))
+@pytest.mark.slow
 def test_placements_the_page_warns_of_differ(name):
   diff, _ = _difference(*NOT_EXACT[name])
   assert diff > 1e-3, (name, diff)
 
 
+@pytest.mark.slow
 def test_one_call_value_for_reduce_on_plateau():
   # The one-call recipe: the loss value_and_grad returns is the full
   # batch's, exactly what the plateau logic needs.
@@ -168,6 +171,7 @@ def test_one_call_value_for_reduce_on_plateau():
   helpers.assert_trees_close(params, full, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_multi_transform_outside_with_every_group_accumulated():
   windows = _data()
   params = helpers.mlp_params(DIM, 8, seed=0)

@@ -58,6 +58,7 @@ def _nones(tree):
       tree, is_leaf=lambda x: x is None)[0] if x is None]
 
 
+@pytest.mark.slow
 def test_value_and_grad_is_the_full_batchs_and_keeps_none_and_static():
   model, batch = _model(), _batch()
   diff, static = eqx.partition(model, eqx.is_inexact_array)
@@ -87,6 +88,7 @@ def test_value_and_grad_is_the_full_batchs_and_keeps_none_and_static():
   assert eqx.tree_equal(eqx.combine(grads, static).activation, jax.nn.tanh)
 
 
+@pytest.mark.slow
 def test_accumulate_updates_as_the_full_batch_does():
   model, batch = _model(), _batch()
   params = eqx.filter(model, eqx.is_inexact_array)
@@ -144,6 +146,7 @@ def test_equinoxs_usual_order_names_the_signature(jit):
     fn(diff, static, _batch())
 
 
+@pytest.mark.slow
 def test_the_guide_runs_and_is_exact_on_the_mesh(capsys):
   """docs/equinox.md: each entry point, and an Explicit data mesh."""
   ns = helpers.run_markdown_snippets("docs/equinox.md", min_blocks=4)

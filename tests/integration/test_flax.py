@@ -70,6 +70,7 @@ _JITS = {
 
 
 @pytest.mark.parametrize("jit", list(_JITS))
+@pytest.mark.slow
 def test_nnx_optimizer_k_micro_steps_equal_one_full_batch_step(jit):
   wrap = _JITS[jit]
   full_model, accum_model = _Mlp(nnx.Rngs(0)), _Mlp(nnx.Rngs(0))
@@ -105,6 +106,7 @@ def test_nnx_optimizer_k_micro_steps_equal_one_full_batch_step(jit):
   assert int(state.count) == 3 and int(state.micro_step) == 0
 
 
+@pytest.mark.slow
 def test_nnx_mean_of_means_would_differ():
   """The test above is not vacuous: without num_tokens the result differs."""
   full_model, naive_model = _Mlp(nnx.Rngs(0)), _Mlp(nnx.Rngs(0))
@@ -120,6 +122,7 @@ def test_nnx_mean_of_means_would_differ():
       _params(naive_model), _params(full_model), rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_find_accumulate_state_on_nnx_optimizer_returns_plain_arrays():
   model = _Mlp(nnx.Rngs(0))
   optimizer = nnx.Optimizer(
@@ -147,6 +150,7 @@ def test_find_accumulate_state_on_nnx_optimizer_returns_plain_arrays():
   assert int(optimizer.step[...]) == K
 
 
+@pytest.mark.slow
 def test_find_accumulate_state_inside_nnx_jit():
   model = _Mlp(nnx.Rngs(0))
   optimizer = nnx.Optimizer(
@@ -198,6 +202,7 @@ def _linen_state():
       batch_stats=variables["batch_stats"], tx=_tx())
 
 
+@pytest.mark.slow
 def test_linen_batch_stats_are_threaded_micro_batch_by_micro_batch():
   state = _linen_state()
   batch = _batch()
@@ -229,6 +234,7 @@ def test_linen_batch_stats_are_threaded_micro_batch_by_micro_batch():
                          state.batch_stats["BatchNorm_0"]["mean"])
 
 
+@pytest.mark.slow
 def test_linen_train_state_recipe():
   grad_fn = oa.value_and_grad(
       _linen_loss, num_microbatches=K, has_state=True,

@@ -69,6 +69,7 @@ def _by_hand(step, params, model_state, batch, keys):
       model_state
 
 
+@pytest.mark.slow
 def test_nnx_recipe_threads_state_and_draws_a_mask_per_micro_batch():
   model, nnx_loss = _recipe()
   _, params, model_state = nnx.split(model, nnx.Param, ...)
@@ -95,6 +96,7 @@ def test_nnx_recipe_threads_state_and_draws_a_mask_per_micro_batch():
 
 @pytest.mark.parametrize("axis_name, mesh", [
     (None, False), (None, True), ("data", True)])
+@pytest.mark.slow
 def test_nnx_recipe_trains_with_nnx_optimizer(axis_name, mesh):
   """The recipe's train step; on 8 devices (an Auto mesh) too (issue 28)."""
   model, nnx_loss = _recipe()
@@ -171,6 +173,7 @@ def _assert_matches(out, expected_loss, expected_grads, expected_norm,
 
 
 @pytest.mark.parametrize("axis_name", [None, "data"])
+@pytest.mark.slow
 def test_nnx_recipe_on_an_auto_mesh(axis_name):
   """docs/flax.md's recipe under jit on 8 devices (issue 28).
 
@@ -197,6 +200,7 @@ def test_nnx_recipe_on_an_auto_mesh(axis_name):
 
 
 @pytest.mark.parametrize("axis_name", [None, "data"])
+@pytest.mark.slow
 def test_nnx_recipe_on_an_explicit_mesh(axis_name):
   """docs/flax.md's recipe in the typed form (Explicit axes under jit).
 

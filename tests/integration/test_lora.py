@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import helpers
 import optax_accum as oa
@@ -79,6 +80,7 @@ def _full_step(model, optimizer, batch):
   optimizer.update(model, grads)
 
 
+@pytest.mark.slow
 def test_accumulate_in_an_nnx_optimizer_wrt_lora_params_is_the_full_batch():
   full_model, accum_model = _LoRANet(nnx.Rngs(0)), _LoRANet(nnx.Rngs(0))
   naive_model = _LoRANet(nnx.Rngs(0))
@@ -118,6 +120,7 @@ def test_accumulate_in_an_nnx_optimizer_wrt_lora_params_is_the_full_batch():
                                  rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_value_and_grad_over_the_lora_params_is_the_full_batch():
   full_model, model = _LoRANet(nnx.Rngs(0)), _LoRANet(nnx.Rngs(0))
   base = _base(model)

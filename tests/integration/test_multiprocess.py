@@ -26,6 +26,8 @@ NUM_PROCESSES = 2
 TIMEOUT_S = 150
 WORKER = helpers.SUPPORT / "multiprocess_worker.py"
 
+pytestmark = pytest.mark.slow
+
 
 def _run_workers(tmp_path):
   """Runs the processes once; each writes its results to a JSON file."""

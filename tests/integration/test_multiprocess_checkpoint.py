@@ -19,9 +19,11 @@ NUM_PROCESSES = 2
 TIMEOUT_S = 120
 WORKER = helpers.SUPPORT / "checkpoint_worker.py"
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(jax.sharding.PartitionSpec(), "unreduced"),
-    reason="unreduced sharding types need jax >= 0.9.1")
+pytestmark = [
+    pytest.mark.skipif(
+        not hasattr(jax.sharding.PartitionSpec(), "unreduced"),
+        reason="unreduced sharding types need jax >= 0.9.1"),
+    pytest.mark.slow]
 
 
 def _launch(mode, folder):

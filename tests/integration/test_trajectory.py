@@ -69,6 +69,7 @@ def test_value_and_grad_matches_full_batch_training():
   assert tr.inner_counts(opt_state) == [tr.NUM_UPDATES, tr.NUM_UPDATES]
 
 
+@pytest.mark.slow
 def test_batch_size_warmup_matches_full_batches_of_matching_sizes():
   tx = oa.accumulate(tr.inner_optimizer(), tr.warmup_every_k)
   trajectory, states = tr.micro_step_trajectory(tx, tr.WARMUP_BATCHES)
@@ -86,6 +87,7 @@ def test_batch_size_warmup_matches_full_batches_of_matching_sizes():
   assert tr.differs(shifted, expected)
 
 
+@pytest.mark.slow
 def test_naive_alternatives_leave_the_full_batch_trajectory():
   expected, _ = tr.reference()
   k = tr.NUM_MICROBATCHES

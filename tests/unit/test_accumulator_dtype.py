@@ -39,6 +39,7 @@ def _leaf(tree, name):
   return {name: tree[name]}
 
 
+@pytest.mark.slow
 def test_accumulate_keeps_each_leaf_in_its_dtype():
   params = _params()
   microbatches = helpers.split(_batch(), K)
@@ -65,6 +66,7 @@ def test_accumulate_keeps_each_leaf_in_its_dtype():
                                  _leaf(f32_updates, "w1"), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_value_and_grad_keeps_each_leaf_in_its_dtype_and_the_loss_float32():
   params, batch = _params(), _batch()
 

@@ -121,7 +121,8 @@ def _trajectory(inner, call=oa.update_and_apply):
 
 @pytest.mark.parametrize("call", [oa.update_and_apply, _split],
                          ids=["update_and_apply", "split"])
-@pytest.mark.parametrize("inner", ["adam", "muon"])
+@pytest.mark.parametrize("inner", [
+    "adam", pytest.param("muon", marks=pytest.mark.slow)])
 def test_the_gpu_programs_loop_gives_the_cpu_programs_result(
     monkeypatch, inner, call):
   """On GPUs the emit choices are loops where TPU and CPU programs use

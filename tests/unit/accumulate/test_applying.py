@@ -95,6 +95,7 @@ def test_refuses_updates_not_shaped_like_the_params():
     oa.apply_if_updated(params, {"w": jnp.ones(3), "b": jnp.ones(())}, state)
 
 
+@pytest.mark.slow
 def test_nnx_without_optimizer_update_matches_nnx_optimizer():
   # nnx.Optimizer.update adds the (zero) updates itself: the documented
   # alternative calls the transformation and writes the parameters back.
@@ -142,7 +143,8 @@ def _fused_train_step(tx):
   return step
 
 
-@pytest.mark.parametrize("inner", ["adam", "muon", "chain"])
+@pytest.mark.parametrize("inner", [
+    "adam", pytest.param("muon", marks=pytest.mark.slow), "chain"])
 def test_update_and_apply_matches_update_then_apply_if_updated(inner):
   """Applied in the emitting branch (or, around a chain, after it): the
   same parameters and state as tx.update + oa.apply_if_updated, through a
@@ -312,7 +314,8 @@ def test_inner_update_is_traced_once_per_call(call, inner):
   assert len(calls) == 2  # the peer's count, for the record.
 
 
-@pytest.mark.parametrize("inner", ["adamw", "muon"])
+@pytest.mark.parametrize("inner", [
+    "adamw", pytest.param("muon", marks=pytest.mark.slow)])
 def test_update_and_apply_is_one_fused_inner_step_bit_for_bit(inner):
   """With every_k=1 the mean is the gradient: with adamw,
   update_and_apply's parameters are those of one jitted inner.update +

@@ -68,6 +68,7 @@ def test_apply_if_finite_outside_accumulate_is_refused():
     jax.jit(tx.init)(_params())
 
 
+@pytest.mark.slow
 def test_what_apply_if_finite_outside_would_do():
   # The refused placement's silent failure, with the inner wrapped by hand
   # as the wrapper does: the NaN micro-batch never reaches accumulate.
@@ -134,6 +135,7 @@ def test_hyperparams_set_through_our_state_reach_the_update():
   helpers.assert_trees_close(updates, {"w": jnp.full(3, -0.5)})
 
 
+@pytest.mark.slow
 def test_schedule_free_eval_params_through_our_state():
   params = {"w": jnp.ones(3)}
   inner = optax.contrib.schedule_free_adamw(0.1)

@@ -88,6 +88,7 @@ def test_does_not_drift_over_billions_of_tokens():
   assert abs(float(naive) - exact) > 1000
 
 
+@pytest.mark.slow
 def test_resumes_from_a_checkpoint_mid_run(tmp_path):
   tx = oa.accumulate(optax.adam(0.1), every_k=3)
   micro_batches = _micro_batches(rows=4, num=10)

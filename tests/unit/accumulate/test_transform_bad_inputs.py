@@ -153,6 +153,7 @@ def _expected(cycle, skip_nonfinite, loss_reduction):
     loss_reduction=st.sampled_from(["mean", "sum"]),
     concrete=st.booleans(),
 )
+@pytest.mark.slow
 def test_bad_num_tokens_never_give_a_finite_wrong_update(
     counts, every_k, skip_nonfinite, loss_reduction, concrete):
   tx, update = _jitted(skip_nonfinite, loss_reduction)

@@ -146,6 +146,7 @@ def test_traced_emit_does_not_retrace():
   assert len(traces) == 1
 
 
+@pytest.mark.slow
 def test_flush_ends_the_cycle_without_a_new_gradient():
   tx = oa.accumulate(optax.adam(0.1), K)
   params, state = _params(), tx.init(_params())
@@ -227,7 +228,9 @@ def _epoch_trajectory(tx, emit_form="true_or_none"):
   return trajectory, opt_state
 
 
-@pytest.mark.parametrize("emit_form", list(_EMIT_FORMS))
+@pytest.mark.parametrize("emit_form", [
+    f if f == "traced_bool" else pytest.param(f, marks=pytest.mark.slow)
+    for f in _EMIT_FORMS])
 def test_epoch_end_partial_window_matches_full_batch_training(emit_form):
   tx = oa.accumulate(tr.inner_optimizer(), K)
   trajectory, state = _epoch_trajectory(tx, emit_form)
@@ -263,6 +266,7 @@ def _budget_groups(micro_batches):
   return groups, group
 
 
+@pytest.mark.slow
 def test_token_budget_boundary_matches_full_batch_training():
   stream = [mb for batch in tr.make_batches([12])
             for mb in tr.micro_batches_of(batch)]
@@ -309,6 +313,7 @@ def _norm_above_threshold(grads, state, params):
   return optax.tree.norm(grads) > THRESHOLD
 
 
+@pytest.mark.slow
 def test_should_skip_drops_exactly_the_flagged_micro_steps():
   spikes = {1, 4, 5}
   feed = [(_grads(i, 100.0 if i in spikes else 1.0), float(i + 1))
@@ -410,6 +415,7 @@ def _local_step(tx):
   return step
 
 
+@pytest.mark.slow
 def test_emit_in_shard_map_reduces_once_per_update():
   tx = oa.accumulate(optax.sgd(1.0), K, axis_name="data")
   batches = _distributed_data(3)
@@ -433,6 +439,7 @@ def test_emit_in_shard_map_reduces_once_per_update():
   assert counts.total == counts.in_branch == {"all-reduce": 1}
 
 
+@pytest.mark.slow
 def test_emit_in_pmap_reduces_once_per_update():
   tx = oa.accumulate(optax.sgd(1.0), K, axis_name="data")
   batches = _distributed_data(3)
@@ -462,6 +469,7 @@ def _pmap_step(tx):
   return step
 
 
+@pytest.mark.slow
 def test_docs_section_prints_what_its_comments_say(capsys):
   """The "End of an epoch and token budgets" blocks, alone, in order."""
   text = (helpers.ROOT / "docs" / "semantics.md").read_text()

@@ -93,6 +93,7 @@ def _plateau_chain():
                                       accumulation_size=1))
 
 
+@pytest.mark.slow
 def test_reduce_on_plateau_matches_the_full_batch():
   # Each window's full-batch loss falls while its last micro-batch's rises:
   # fed the last micro-batch's loss, the plateau logic would halve the
@@ -137,6 +138,7 @@ def _ls_loss(params, batch):
   return (batch["mask"] * err**2).sum() / jnp.maximum(batch["mask"].sum(), 1)
 
 
+@pytest.mark.slow
 def test_zoom_linesearch_inside_accumulate_matches_the_full_batch():
   batch, k = _least_squares(), 3
   micro = helpers.split(batch, k)
@@ -252,6 +254,7 @@ def test_value_under_jit_with_deferred_gradients(axis_name):
                              float(expected), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_float64_gradients_are_summed_in_float64():
   with jax.enable_x64(True):
     params = {"w": jnp.zeros(2, jnp.float64)}

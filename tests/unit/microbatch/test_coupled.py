@@ -108,7 +108,8 @@ def _assert_close(actual, expected):
   chex.assert_trees_all_close(actual[1], expected[1], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2,
+                               pytest.param(4, marks=pytest.mark.slow), 8])
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_matches_the_full_batch(name, k):
   encode_fn, loss_fn = LOSSES[name]
@@ -139,6 +140,7 @@ def test_per_microbatch_accumulation_differs(name):
   assert gap > 1e-3
 
 
+@pytest.mark.slow
 def test_aux_args_and_integer_reps():
   """Labels travel in reps (no gradient); a temperature comes in *args."""
 
@@ -174,6 +176,7 @@ def _dropout_encoder(params, mb, rng=None):
   return h
 
 
+@pytest.mark.slow
 def test_rng_gives_each_microbatch_one_key_for_both_passes():
   params, batch, rng, k = _params(), _data(), jax.random.key(3), 4
   fn = jax.jit(oa.coupled_value_and_grad(_dropout_encoder, batch_normalised,
@@ -215,6 +218,7 @@ def _temp_bytes(f, *args):
   return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_temporary_memory_falls_with_k():
   rng = np.random.default_rng(0)
   shapes = [(16, 128), (128, 128), (128, 128), (128, 128), (128, 8)]
@@ -230,6 +234,7 @@ def test_temporary_memory_falls_with_k():
   assert temps[-1] < 0.35 * full, (temps, full)
 
 
+@pytest.mark.slow
 def test_low_precision_params_get_gradients_in_their_dtype():
   encode_fn, loss_fn = LOSSES["info_nce"]
   params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params())
@@ -263,6 +268,7 @@ def _expected(batch_size=2 * N * 2):
   return _full_batch(two_towers, info_nce, params, batch)
 
 
+@pytest.mark.slow
 def test_shard_map_gathers_reps_and_reduces_once():
   params, batch = _params(), _data(batch=32)
   fn = jax.jit(jax.shard_map(
@@ -301,6 +307,7 @@ def test_every_device_must_see_the_global_negatives():
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.slow
 def test_under_jit_with_a_mesh(axis_type):
   with jax.set_mesh(_mesh(axis_type)):
     params = jax.device_put(_params(), P())
@@ -316,6 +323,7 @@ def test_under_jit_with_a_mesh(axis_type):
     assert counts.total == {"all-gather": 2, "all-reduce": 1}, counts
 
 
+@pytest.mark.slow
 def test_under_jit_with_fsdp_params_and_aux():
   def loss_fn(params, reps, batch):
     return info_nce(params, reps, batch), batch["y"].sum()
@@ -340,6 +348,7 @@ def test_under_jit_with_fsdp_params_and_aux():
                              rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_shard_map_with_fsdp_params_takes_param_specs():
   specs = {"wa": P("data"), "wb": P(), "v": P(), "router": P(), "log_t": P()}
 
@@ -438,6 +447,7 @@ BF16_CASES = [(entry, form, layout)
 
 
 @pytest.mark.parametrize("entry,form,layout", BF16_CASES)
+@pytest.mark.slow
 def test_bfloat16_on_a_data_by_model_mesh_runs_and_matches_one_device(
     entry, form, layout):
   """Each case in its own process (tests/support/bf16_mesh_worker.py): an

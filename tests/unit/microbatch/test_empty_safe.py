@@ -56,7 +56,7 @@ def _zeros():
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
-@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 4])
 @pytest.mark.parametrize("lengths", [LENGTHS, [0] * 8])
 def test_the_gradient_of_the_loss_is_the_full_batch_s(form, k, lengths):
   """jax.grad of the returned loss: the full batch's gradient, or zeros
@@ -71,6 +71,7 @@ def test_the_gradient_of_the_loss_is_the_full_batch_s(form, k, lengths):
   helpers.assert_trees_close(got, expected, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_a_meta_gradient_through_the_gradient_is_the_full_batch_s():
   """Second order: d/dw of the sum of the returned gradient of w."""
   fn = oa.value_and_grad(_with_stacked_aux, num_microbatches=4,
@@ -88,6 +89,7 @@ def test_a_meta_gradient_through_the_gradient_is_the_full_batch_s():
                              rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_under_shard_map_each_device_s_empty_micro_batches_drop_out():
   """Two rows per device, k = 2: several devices hold an empty micro-batch,
   one holds only empty ones."""
@@ -150,6 +152,7 @@ def test_the_program_runs_no_conditional_until_differentiated():
       jax.make_jaxpr(jax.grad(loss))(ragged.params(), batch).jaxpr)
 
 
+@pytest.mark.slow
 def test_an_integer_aux_and_the_model_state_keep_their_derivatives():
   """empty_safe.value_and_grad directly: an integer leaf (no derivative),
   and the model state's derivative kept where the micro-batch is dropped."""
@@ -168,6 +171,7 @@ def test_an_integer_aux_and_the_model_state_keep_their_derivatives():
     np.testing.assert_array_equal(got["embed"], 0.0)
 
 
+@pytest.mark.slow
 def test_a_function_among_the_arguments_stays_a_python_value():
   """Extra arguments that are not arrays (an activation, a graphdef) reach
   loss_fn as they were given, under jax.grad too."""
@@ -185,6 +189,7 @@ def test_a_function_among_the_arguments_stays_a_python_value():
   helpers.assert_trees_close(got, expected, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_vmapped_over_batches_the_derivative_stays_finite():
   """Batched, the cond is a select of its branches' results: the empty
   micro-batch's NaN branch is dropped, not multiplied by zero."""

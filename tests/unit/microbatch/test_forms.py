@@ -136,6 +136,7 @@ def test_auto_axes_without_axis_name_warn_once_at_the_callers_line(
     _sharded_call(AxisType.Auto)  # once per mesh.
 
 
+@pytest.mark.slow
 def test_a_concrete_batch_names_the_auto_axes_it_is_sharded_over(
     fresh_warnings):
   del fresh_warnings

@@ -50,6 +50,7 @@ def _fn(num_microbatches=K, **kwargs):
 
 
 @pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.slow
 def test_the_first_n_micro_batches_exactly(n):
   key, batch = jax.random.key(7), _batch()
   fn = jax.jit(_fn(), static_argnames=())
@@ -64,6 +65,7 @@ def test_the_first_n_micro_batches_exactly(n):
   assert state == helpers.num_tokens(_first(batch, n))
 
 
+@pytest.mark.slow
 def test_a_traced_n_does_not_recompile_and_is_clamped():
   fn = _fn()
 
@@ -138,6 +140,7 @@ def test_the_planner_refuses_n_and_says_where_it_goes():
         rng=jax.random.key(0), num_real_microbatches=2)
 
 
+@pytest.mark.slow
 def test_with_axis_name_each_device_runs_its_first_n():
   devices, n = 8, 2
 

@@ -141,6 +141,7 @@ def test_rng_given_to_a_loss_without_rng_names_rng():
     _fn(_mse)(jnp.ones(2), _batch(), rng=jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_losses_that_take_their_key_otherwise_raise_nothing():
   key, w, batch = jax.random.key(0), jnp.ones(2), _batch()
 

@@ -76,6 +76,7 @@ def test_a_costly_fallback_warns_with_its_cost_at_the_callers_line():
   assert "CPU backend" in message and "oa.reducible_layers(model)" in message
 
 
+@pytest.mark.slow
 def test_a_small_fallback_is_quiet_and_still_reported():
   """b is 1/65 of the gradient's bytes (width 64): 2 micro-batches add 1.5%,
   below WARN_ABOVE; 8 add 10.8%, above it. Failed before: every fallback

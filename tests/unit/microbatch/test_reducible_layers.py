@@ -106,6 +106,7 @@ def _check(loss, params, swapped_loss, swapped_params):
   assert counts.in_loop == {}, counts
 
 
+@pytest.mark.slow
 def test_flax_nnx_linear_and_layer_norm():
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
@@ -130,6 +131,7 @@ def test_flax_nnx_linear_and_layer_norm():
   _check(*split(Model(nnx.Rngs(0))), *split(swapped))
 
 
+@pytest.mark.slow
 def test_equinox_linear_and_layer_norm():
   eqx = pytest.importorskip("equinox")
 

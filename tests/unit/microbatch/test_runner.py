@@ -62,6 +62,7 @@ def _assert_exact(out, params, batch):
   helpers.assert_trees_close(grads, expected_grads, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_size_one_data_axis_next_to_auto_fsdp_axis():
   """Flax lm1b's default layout: (data=1, fsdp=8), Auto axes."""
   mesh = jax.make_mesh((1, 8), ("data", "fsdp"),
@@ -118,6 +119,7 @@ def test_tensor_parallel_and_fsdp_params_on_explicit_axes():
   _assert_exact(out, params, batch)
 
 
+@pytest.mark.slow
 def test_auto_sharded_batch_outside_set_mesh_is_not_resharded():
   """The inputs' Auto mesh is entered, so the batch is split strided."""
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
@@ -145,6 +147,7 @@ def test_without_the_inputs_mesh_the_batch_is_gathered(monkeypatch):
   assert "all-gather" in counts.total, counts
 
 
+@pytest.mark.slow
 def test_coupled_with_tensor_parallel_reps():
   mesh = jax.make_mesh((4, 2), ("data", "model"),
                        axis_types=(AxisType.Explicit,) * 2)

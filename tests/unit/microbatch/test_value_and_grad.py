@@ -158,6 +158,7 @@ def test_micro_batch_without_tokens_does_not_poison_the_sum():
   helpers.assert_trees_close(grads, expected_grads, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_params_sum_in_float32_and_return_bf16_like_loss_fn():
   params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params())
   data = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _data())

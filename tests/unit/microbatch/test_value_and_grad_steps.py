@@ -83,6 +83,7 @@ def _hand_dropout_grads(microbatches_and_keys):
 # rng=
 
 
+@pytest.mark.slow
 def test_each_micro_batch_gets_its_own_key_and_the_gradient_uses_it():
   def loss_fn(params, batch, *, rng):
     return dropout_loss(params, batch, rng=rng), jax.random.key_data(rng)
@@ -133,6 +134,7 @@ def test_rng_is_reproducible_and_differs_across_calls_and_without_it():
     fn(_params(), _data(), rng=jnp.zeros(2))
 
 
+@pytest.mark.slow
 def test_keys_differ_across_devices_under_axis_name_in_shard_map_and_jit():
   def loss_fn(params, batch, *, rng):
     return dropout_loss(params, batch, rng=rng), jax.random.key_data(rng)
@@ -193,6 +195,7 @@ def odd_loss(params, batch, offset, *, power):
   return batch["scale"] * helpers.safe_mean(losses ** power, batch) + offset
 
 
+@pytest.mark.slow
 def test_batch_axes_and_kwargs_give_the_full_batch():
   fn = jax.jit(oa.value_and_grad(
       odd_loss, num_microbatches=4, batch_axes=_ODD_AXES,
@@ -280,6 +283,7 @@ def _assert_metrics(metrics, batch):
   np.testing.assert_allclose(metrics["best"], full["best"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_aux_reduction_gives_the_full_batch_metrics():
   batch = _data()
   batch["mask"] = batch["mask"].at[8:16].set(0.0)  # a micro-batch: 0 tokens.
@@ -315,6 +319,7 @@ def test_aux_mean_without_tokens_is_zero_and_string_applies_to_every_leaf():
 
 @pytest.mark.parametrize("reduction,combine", [
     ("sum", np.sum), ("max", np.max), ("min", np.min)])
+@pytest.mark.slow
 def test_a_micro_batch_without_tokens_adds_nothing_to_any_reduction(
     reduction, combine):
   """Its aux may be a 0/0 mean (the stacked NaN below): summed, or taken

@@ -186,6 +186,7 @@ def _mesh():
   return jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
 
 
+@pytest.mark.slow
 def test_value_and_grad_takes_the_max_over_devices_once():
   rules = {"lin": "mean", "amax": "max", "last": "mean"}
   lengths = np.random.default_rng(3).integers(0, SEQ + 1, size=64)
@@ -205,6 +206,7 @@ def test_value_and_grad_takes_the_max_over_devices_once():
   assert counts.in_loop == {}
 
 
+@pytest.mark.slow
 def test_accumulate_takes_the_max_over_devices_in_the_emitting_branch():
   rules = {"lin": "mean", "amax": "max", "last": "mean"}
   tx = oa.accumulate(optax.sgd(-1.0), every_k=2, axis_name="data",
@@ -310,6 +312,7 @@ def _fp8_microbatched(fp8_rule):
   return lambda variables, batch: fn(variables, batch)[1]
 
 
+@pytest.mark.slow
 def test_fp8_amax_histories_and_scales_follow_the_full_batch():
   expected = _fp8_train(jax.jit(_fp8_full_batch))
   ours = _fp8_train(_fp8_microbatched("max"))

@@ -311,7 +311,8 @@ def _mesh(axis_type=AxisType.Auto):
   return jax.make_mesh((N,), ("data",), axis_types=(axis_type,))
 
 
-@pytest.mark.parametrize("loss", [mean_loss, sum_loss])
+@pytest.mark.parametrize("loss", [
+    mean_loss, pytest.param(sum_loss, marks=pytest.mark.slow)])
 def test_value_and_grad_with_stats_equals_the_brute_force(loss):
   k = 8  # micro-batches of 4 rows; the first has no tokens.
   batch = _data()
@@ -348,6 +349,7 @@ def _accumulate_stats(tx, params, microbatches, end_with_emit=False):
   return state
 
 
+@pytest.mark.slow
 def test_accumulate_and_value_and_grad_give_the_same_stats():
   k = 8
   batch, params = _data(), _params()
@@ -362,6 +364,7 @@ def test_accumulate_and_value_and_grad_give_the_same_stats():
       rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_accumulate_cycle_ended_with_emit_has_the_stats_of_its_micro_batches():
   batch, params = _data(), _params()
   microbatches = helpers.split(batch, 8)[:5]
@@ -373,6 +376,7 @@ def test_accumulate_cycle_ended_with_emit_has_the_stats_of_its_micro_batches():
   assert oa.grad_stats(state).num_microbatches == 4  # the first is empty.
 
 
+@pytest.mark.slow
 def test_value_and_grad_in_shard_map_equals_one_device():
   batch, params = _data(), _params()
   _, _, expected = jax.jit(_value_and_grad(K * N))(params, batch)
@@ -388,6 +392,7 @@ def test_value_and_grad_in_shard_map_equals_one_device():
   helpers.assert_trees_close(stats, expected, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_value_and_grad_with_explicit_axes_equals_one_device():
   """Explicit axes, every leaf typed reduced: the small batches are each
   device's rows of each micro-batch (SPEC 6), K * N of them, as in
@@ -428,7 +433,8 @@ def _fallback_sum_loss(params, batch):
 
 
 @pytest.mark.parametrize("loss_reduction,model", [
-    ("mean", False), ("sum", False), ("mean", True)])
+    ("mean", False), pytest.param("sum", False, marks=pytest.mark.slow),
+    pytest.param("mean", True, marks=pytest.mark.slow)])
 def test_explicit_axes_fallback_leaves_take_the_micro_batches(
     loss_reduction, model):
   """SPEC 6: a reduced leaf's small batches are each device's rows of each
@@ -473,6 +479,7 @@ def test_explicit_axes_fallback_leaves_take_the_micro_batches(
   assert stats.num_microbatches == sum(helpers.num_tokens(r) > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_accumulate_in_shard_map_equals_one_device():
   batch, params = _data(), _params()
   _, _, expected = jax.jit(_value_and_grad(K * N))(params, batch)
@@ -560,10 +567,12 @@ def test_value_and_grad_stats_are_unbiased_for_a_linear_regression():
     assert error < 0.2, (error, truth)
 
 
+@pytest.mark.slow
 def test_docs_snippets_run():
   helpers.run_markdown_snippets("docs/noise_scale.md", min_blocks=2)
 
 
+@pytest.mark.slow
 def test_noise_scale_example_adapts_the_batch_size(tmp_path):
   example = helpers.import_example("noise_scale/main")
   plot_path = tmp_path / "noise_scale.png"

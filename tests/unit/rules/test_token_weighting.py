@@ -70,7 +70,8 @@ def _accumulate(loss_reduction, skip_nonfinite):
 
 @pytest.mark.parametrize("entry_point", [_value_and_grad, _accumulate],
                          ids=["value_and_grad", "accumulate"])
-@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("loss_reduction",
+                         ["mean", pytest.param("sum", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("skip_nonfinite", [False, True])
 def test_entry_points_agree_on_zero_token_nan_micro_batches(
     entry_point, loss_reduction, skip_nonfinite):
@@ -101,7 +102,8 @@ def _bad_num_tokens(mb):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -100.0])
-@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("loss_reduction",
+                         ["mean", pytest.param("sum", marks=pytest.mark.slow)])
 def test_entry_points_agree_on_a_bad_traced_token_count(bad, loss_reduction):
   """Neither uses it as a weight nor drops it silently: the mean is NaN."""
   data, params = _bad_count_data(bad), helpers.linear_params(DIM)
@@ -163,6 +165,7 @@ def _no_count_runs():
 
 
 @pytest.mark.parametrize("entry_point", ["num_tokens", "num_tokens_fn"])
+@pytest.mark.slow
 def test_a_forgotten_token_count_warns_once_naming_the_fix(entry_point):
   run = _no_count_runs()[entry_point]
   with pytest.warns(UserWarning, match=_NO_COUNT) as record:
