@@ -206,6 +206,7 @@ def test_batchnorm_linen_group_norm_twin_is_k_invariant():
   _assert_ok(_batchnorm_report("group"))
 
 
+@pytest.mark.slow  # a convolutional step compiled per split.
 def test_batchnorm_linen_batch_norm_is_reported_even_ignoring_its_stats():
   # The example's point: in training BatchNorm normalises each micro-batch by
   # its own statistics, so its gradient is not the full batch's ("ghost batch

@@ -242,6 +242,7 @@ class _Attention(nnx.Module):
     return self.out(h)
 
 
+@pytest.mark.slow  # compiles an attention decoder per split (~20 s).
 @pytest.mark.parametrize("equal_weights", [False, True])
 def test_an_adam_decoder_with_scanned_layers(equal_weights):
   rng = np.random.default_rng(0)
