@@ -93,10 +93,9 @@ def _variable_sharding(variable: Any) -> Any:
 
 
 def _names_an_axis(sharding: Any) -> bool:
-  spec = getattr(sharding, "spec", sharding)  # a NamedSharding's spec.
-  if isinstance(spec, (tuple, list)):
-    return any(entry is not None for entry in spec)
-  return bool(spec)
+  # Through _spec_axes: a PartitionSpec is no tuple in every jax, and
+  # P(None, None) is true, though it names no axis.
+  return bool(_spec_axes(sharding))
 
 
 def check_slots_fit_params(axis_name: Any, params: Any) -> None:

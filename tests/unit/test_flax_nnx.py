@@ -187,10 +187,11 @@ def test_a_sharding_names_an_axis_where_an_entry_is_not_none(sharding, names):
   assert flax_nnx._names_an_axis(sharding) is names
 
 
-@pytest.mark.xfail(strict=True, reason="a PartitionSpec is no tuple in this"
-                   " jax: P(None) is read by its truth value, which is True")
 def test_a_partition_spec_of_nones_names_no_axis():
+  # A PartitionSpec is no tuple in every jax, and P(None, None) is true.
   assert not flax_nnx._names_an_axis(P(None, None))
+  assert not flax_nnx._names_an_axis(P(None, (), None))
+  assert flax_nnx._names_an_axis(P(None, ("data", "model")))
 
 
 def test_a_named_sharding_is_read_through_its_spec():
