@@ -177,14 +177,40 @@ def test_value_and_grad_matches_full_batch(case, loss_name):
   helpers.assert_trees_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.xfail(strict=False, raises=AssertionError, reason=(
-    "found by a random search on 2026-11-28, also on e1d1040: with tokens in"
-    " the last of 4 micro-batches only, two gradient elements of 'w1' are"
-    " 1.2e-3 off the full batch's (1.8e-6 absolute) with jax 0.10.2; it"
-    " passes with jax 0.9.1 (not strict); not looked into yet"))
+def _float64_grads(params, batch):
+  """The full batch's gradient in float64: the reference for float32 ones."""
+  with jax.enable_x64(True):
+    params, batch = jax.tree.map(
+        lambda a: jnp.asarray(np.asarray(a, np.float64)), (params, batch))
+    grads = jax.grad(_safe_mean_loss)(params, batch)
+    return jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
+
+
+def _max_error(grads, reference):
+  return max(
+      float(np.max(np.abs(np.asarray(g, np.float64) - r)))
+      for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)))
+
+
 def test_tokens_only_in_the_last_micro_batch():
-  test_value_and_grad_matches_full_batch.hypothesis.inner_test(
-      case=(4, 4, (0, 0, 0, 1), 0), loss_name="mean")
+  # A random search found this case 1.2e-3 (relative) off the full batch's
+  # float32 gradient in two elements of 'w1': hidden units near saturation,
+  # where 1 - tanh^2 keeps few of float32's digits, so that no float32
+  # gradient is a reference for another. Each is measured against the
+  # float64 gradient instead: ours must be as close to it as jax.grad's in
+  # float32, on the full batch or on the one micro-batch with tokens.
+  params, batch = _params(), _batch((0, 0, 0, 1), seed=0)
+  reference = _float64_grads(params, batch)
+  _, full_batch = _full_value_and_grad(params, batch)
+  _, last = _direct_value_and_grad["mean"](params, helpers.split(batch, 4)[-1])
+  with jax.numpy_dtype_promotion("strict"):
+    _, grads = _oa_value_and_grad("mean", 4)(params, batch)
+  bound = 2 * max(_max_error(full_batch, reference),
+                  _max_error(last, reference)) + 1e-7
+  assert _max_error(grads, reference) <= bound
+  # The bound fails the shortcut of the mean of micro-batch means.
+  shortcut = jax.tree.map(lambda g: g / 4, grads)
+  assert _max_error(shortcut, reference) > bound
 
 
 @SETTINGS
