@@ -160,7 +160,7 @@ def _add_more_table(app, docname, source) -> None:
 
 
 # Pages made of the repository's own Markdown (the README, the examples'
-# READMEs, benchmarks/README.md): a line ``<!-- include: PATH -->`` (PATH from
+# READMEs): a line ``<!-- include: PATH -->`` (PATH from
 # the repository root) stands for that file, its relative links rewritten to
 # point from the page. A link to a file that a page includes goes to that page;
 # to another file of the repository, to a copy of it (a download); to a folder,
