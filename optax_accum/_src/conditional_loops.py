@@ -7,15 +7,15 @@ Two forms, for two places where a ``lax.cond`` costs memory that a
   loop of at most one trip (``oa.update_and_apply``'s emit). A while loop's
   carry lives in one buffer that its body updates in place, while a
   conditional's pass-through branch may be a copy: XLA's GPU compiler copies
-  a donated parameter that a ``lax.cond`` hands back untouched (with
-  ``optax.adamw`` on 512 MiB of parameters, compiled for one H100, a donated
-  ``update_and_apply`` micro-step peaked at 4096 MiB as a conditional and at
-  2560 MiB, ``optax.MultiSteps``'s, as this loop).
+  a donated parameter that a ``lax.cond`` hands back untouched (a donated
+  ``update_and_apply`` micro-step compiled for an H100 peaks at
+  ``optax.MultiSteps``'s as this loop, higher as a conditional:
+  ``docs/performance.md``, "The per-call step").
 * :func:`trips_if`: ``n`` trips of a body, or none, as one while loop from
   ``where(pred, 0, n)`` to ``n`` (``oa.value_and_grad``'s loop where an
   empty micro-batch borrows: with no tokens at all it must run none). Its
   condition says it runs at most ``n`` times, which ``oa.check_train_step``
-  reads; inside a loop of at most one trip it peaked 3% higher on TPU.
+  reads; inside a loop of at most one trip it peaks higher on TPU.
 
 Differentiated, each is the conditional (a custom JVP, one for both): a loop
 of dynamic trip count has no reverse mode, a conditional has both. The
@@ -46,9 +46,8 @@ def per_compiler(branched: Callable[[], Any], looped: Callable[[], Any],
 
   For the emit choice where what it hands back rides in the carry
   (``accumulate/emit.py``): on a GPU a conditional copies what it passes
-  through; on a TPU the loop peaked higher at small sizes (148 against 80
-  MiB, adamw, 16 MiB of parameters), on the CPU it ran a k = 8 adamw cycle
-  1.7x slower.
+  through; on a TPU the loop peaked higher at small sizes, on the CPU it ran
+  an adamw cycle slower (``docs/performance.md``, "The per-call step").
   """
   return lax.platform_dependent(tpu=branched, cpu=cpu or branched,
                                 default=looped)

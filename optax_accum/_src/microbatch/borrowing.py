@@ -5,8 +5,8 @@ its gradient NaN: the plain way is ``sum + where(keep, weight * g, 0)``. That
 select (and the multiply) sit between XLA's scatter-add of an embedding
 gradient and the add into the running sum, so the rewrite that scatters
 straight into the carry cannot fire, and the micro-batch's embedding gradient
-is built on its own (issue 38: 444.6 against the hand-written scan's 384.1
-MiB per TPU v5e chip, vocab 32768, dim 512, 8 data devices).
+is built on its own: a higher peak than the hand-written scan's
+(``docs/performance.md``, "Compiled for TPU and GPU").
 
 Here instead a micro-batch that is not kept *borrows* the data of the first
 kept one, and every micro-batch is differentiated with its weight as the

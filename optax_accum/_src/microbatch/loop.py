@@ -119,8 +119,8 @@ def _borrowing(opts, params, inputs, batch_split, plan, rules, lay):
   leave one device with no micro-batch to borrow, whose zeros would then be
   0/0 (and reach the others' sums through a reduction in the loop). And only
   for k > 1: one micro-batch has none to borrow, and XLA drops its scan of
-  one trip (not so a loop whose trips are counted at run time: 64 MiB more
-  per TPU v5e chip, benchmark k's deferred step at 0.24B).
+  one trip (not so a loop whose trips are counted at run time, which then
+  holds more memory on TPU).
   """
   if (opts.num_microbatches == 1 or lay.device_axis is not None
       or not borrowing.applies(
@@ -242,7 +242,7 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
     """The step of the last trip, after the loop (:func:`trip_count.peeled`):
     its parameters and batch pass a barrier with the loop's result, else
     XLA may run that micro-batch before or beside the loop, its gradient
-    held through it (CPU: 7% to 36% more memory at k = 2 and 4)."""
+    held through it (more memory, measured on the CPU)."""
     _, held, leaves = jax.lax.optimization_barrier(
         (carry[0].tokens, params, batch_split.leaves))
     return step_over(held, batch_split._replace(leaves=leaves))

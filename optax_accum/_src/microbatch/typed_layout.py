@@ -23,8 +23,8 @@ parameter sharded over data axes). Per parameter leaf:
   plain ``lax.scan`` of ``jax.grad`` a user would write: the model gathers
   it where it uses it, JAX reduce-scatters its gradient in the backward
   pass, and XLA may gather it again there rather than hold it whole from
-  the forward pass (on TPU, 1450.6 against 1572.6 MiB per chip for
-  benchmark k's 0.24B decoder on an fsdp-8 v5e slice). Only where the loss
+  the forward pass (a lower peak: ``docs/performance.md``, "FSDP"). Only
+  where the loss
   takes shards (else, the first trace raising, they are gathered as above),
   without ``with_stats`` (which reads each device's partial), and where the
   sum's dtype is the leaf's (else the reduce-scatter would run narrower).

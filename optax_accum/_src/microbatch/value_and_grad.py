@@ -111,11 +111,10 @@ def value_and_grad(
       XLA may start each leaf's reduction over the data axes as soon as
       that backward pass has produced its gradient, beside the rest of it
       (GPUs; TPUs with the flags of ``docs/performance.md``, "Hiding the
-      one reduction"). On 8 H100s, a 1B decoder: 67% to 76% of the
-      reduction's bytes overlapped, at the loop's peak memory (11% more
-      with FSDP); it costs compile time (the forward and backward twice:
-      1.4x to 2.3x). Only where every leaf is reduced after the loop, and
-      k > 1.
+      one reduction", has what share it hides, and at what memory and
+      compile time). It costs compile time: the program holds the forward
+      and backward twice. Only where every leaf is reduced after the loop,
+      and k > 1.
 
   Returns:
     ``fn(params, batch, *args, rng=None, num_real_microbatches=None,
