@@ -36,7 +36,7 @@ import optax
 
 import harness
 import optax_accum as oa
-from optax_accum._src.tools import hlo
+from optax_accum._src.compiled import hlo
 import report
 from zoo import typed_model as tm
 

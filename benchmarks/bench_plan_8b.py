@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import optax_accum as oa
-from optax_accum._src.tools import memory_analysis
+from optax_accum._src.compiled import memory_analysis
 import report
 from zoo import models
 

@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 import optax_accum as oa
-from optax_accum._src.tools import hlo
+from optax_accum._src.compiled import hlo
 import report
 from zoo import peers
 from zoo import typed_model as tm

@@ -21,7 +21,7 @@ Per chip: ``memory_analysis().peak_memory_in_bytes`` (read by
 ``harness.memory``, which is ``memory_analysis.device_memory``), the
 argument bytes, adamw's state bytes (from the shardings of its leaves) and
 the **bytes on the wire per update**. Those are counted from the compiled
-program's collectives (``optax_accum._src.tools.hlo.collectives``, scalars
+program's collectives (``optax_accum._src.compiled.hlo.collectives``, scalars
 left out) as a ring algorithm sends them, per device, with ``n`` the devices
 of the collective's mesh axes and ``b`` the bytes of its result:
 
@@ -59,7 +59,7 @@ import optax
 
 import harness
 import optax_accum as oa
-from optax_accum._src.tools import hlo
+from optax_accum._src.compiled import hlo
 import report
 from zoo import compile_only as co
 from zoo import typed_model as tm

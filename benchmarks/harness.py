@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 import optax_accum as oa
-from optax_accum._src.tools import memory_analysis
+from optax_accum._src.compiled import memory_analysis
 
 MiB = 2**20
 

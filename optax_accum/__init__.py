@@ -6,6 +6,12 @@ from optax_accum._src.accumulate.applying import (
 from optax_accum._src.accumulate.applying import (
     update_and_apply as update_and_apply,
 )
+from optax_accum._src.accumulate.saved_state import (
+    checkpointable_state as checkpointable_state,
+)
+from optax_accum._src.accumulate.saved_state import (
+    restored_state as restored_state,
+)
 from optax_accum._src.accumulate.state import AccumulateState as AccumulateState
 from optax_accum._src.accumulate.state_access import (
     find_accumulate_state as find_accumulate_state,
@@ -13,9 +19,29 @@ from optax_accum._src.accumulate.state_access import (
 from optax_accum._src.accumulate.state_access import grad_stats as grad_stats
 from optax_accum._src.accumulate.state_access import has_updated as has_updated
 from optax_accum._src.accumulate.state_access import tokens_seen as tokens_seen
+from optax_accum._src.accumulate.state_specs import (
+    reduced_state as reduced_state,
+)
+from optax_accum._src.accumulate.state_specs import (
+    state_partition_specs as state_partition_specs,
+)
 from optax_accum._src.accumulate.transform import accumulate as accumulate
 from optax_accum._src.accumulate.transform import (
     AccumulateTransformation as AccumulateTransformation,
+)
+from optax_accum._src.compiled.hlo import CollectiveCounts as CollectiveCounts
+from optax_accum._src.compiled.hlo import count_collectives as count_collectives
+from optax_accum._src.compiled.overlap import (
+    reduction_overlap as reduction_overlap,
+)
+from optax_accum._src.compiled.overlap import (
+    ReductionOverlap as ReductionOverlap,
+)
+from optax_accum._src.compiled.self_check import (
+    check_train_step as check_train_step,
+)
+from optax_accum._src.compiled.self_check import (
+    TrainStepCheck as TrainStepCheck,
 )
 from optax_accum._src.mesh.axes import device_local as device_local
 from optax_accum._src.mesh.zero import zero_specs as zero_specs
@@ -38,6 +64,10 @@ from optax_accum._src.microbatch.reducible_layers import (
 from optax_accum._src.microbatch.value_and_grad import (
     value_and_grad as value_and_grad,
 )
+from optax_accum._src.planner.planner import Plan as Plan
+from optax_accum._src.planner.planner import (
+    plan_microbatches as plan_microbatches,
+)
 from optax_accum._src.proving.k_invariance import (
     check_k_invariance as check_k_invariance,
 )
@@ -47,28 +77,6 @@ from optax_accum._src.proving.k_invariance import (
 from optax_accum._src.proving.replicas import check_replicas as check_replicas
 from optax_accum._src.proving.replicas import ReplicaReport as ReplicaReport
 from optax_accum._src.rules.noise_scale import GradStats as GradStats
-from optax_accum._src.tools.hlo import CollectiveCounts as CollectiveCounts
-from optax_accum._src.tools.hlo import count_collectives as count_collectives
-from optax_accum._src.tools.overlap import (
-    reduction_overlap as reduction_overlap,
-)
-from optax_accum._src.tools.overlap import ReductionOverlap as ReductionOverlap
-from optax_accum._src.tools.planner import Plan as Plan
-from optax_accum._src.tools.planner import (
-    plan_microbatches as plan_microbatches,
-)
-from optax_accum._src.tools.saved_state import (
-    checkpointable_state as checkpointable_state,
-)
-from optax_accum._src.tools.saved_state import restored_state as restored_state
-from optax_accum._src.tools.self_check import (
-    check_train_step as check_train_step,
-)
-from optax_accum._src.tools.self_check import TrainStepCheck as TrainStepCheck
-from optax_accum._src.tools.state_specs import reduced_state as reduced_state
-from optax_accum._src.tools.state_specs import (
-    state_partition_specs as state_partition_specs,
-)
 
 __version__ = "0.1.0"
 

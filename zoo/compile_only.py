@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 import optax_accum as oa
-from optax_accum._src.tools import hlo
+from optax_accum._src.compiled import hlo
 
 # The H100 target config of XLA's repository, as jaxlib 0.10.2 parses it.
 H100_CONFIG = pathlib.Path(__file__).parent / "data" / "h100_sxm.txtpb"

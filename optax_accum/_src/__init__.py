@@ -1,18 +1,24 @@
 """optax_accum's private modules. Read this code map first.
 
-Six folders, one per family, and six modules that the families share.
-Imports run downward only, in this order (``tests/unit/test_layers.py``
-fails on a cycle or an import that runs back up):
+Seven folders, one per family, and seven modules that the families
+share. Imports run downward only, in this order
+(``tests/unit/test_layers.py`` fails on a cycle or an import that runs
+back up):
 
 .. code-block:: text
 
-  tools/   proving/           opt-in tools, off every hot path; proving
-                              a user's own step (check_k_invariance)
+  planner/   proving/         plan_microbatches; proving a user's own
+                              step (check_k_invariance)
   microbatch/   accumulate/   the two entry-point families (neither
                               imports the other)
-  rules/                      the arithmetic both families share
+  rules/   compiled/          the arithmetic both families share; the
+                              readers of compiled programs
   mesh/                       reading and moving shardings
   validation.py               argument checks
+  conditional_loops.py        conditionals written as while loops (run_if,
+                              trips_if), differentiated as lax.cond
+  names.py                    the named scopes the families write and
+                              the readers look for; gradient_sync's values
   tree_match.py               a prefix spread over a tree, and where two
                               trees differ, named by path
   flax_nnx.py                 the mistakes Flax NNX trees allow, named
@@ -20,10 +26,8 @@ fails on a cycle or an import that runs back up):
   caller_warnings.py          every warning at the caller's line
   keyword_names.py            other libraries' keyword names, named
                               with ours
-  conditional_loops.py        conditionals written as while loops (run_if,
-                              trips_if), differentiated as lax.cond
 
-The five modules below ``validation.py`` import nothing of ours.
+The five modules below ``conditional_loops.py`` import nothing of ours.
 
 **rules/**: the arithmetic both entry points share. ``token_weighting``
 (the one weighting rule, ``num_tokens`` missing), ``grad_reduction``
@@ -41,7 +45,8 @@ door to ``jax.shard_map``: its ``shard_map`` (entered by
 ``microbatch/runner``'s auto form, ``microbatch/typed_noise``'s device rows
 and ``compat``) and ``on_own_partials``, a function on each device's own
 blocks (entered by ``collectives``, ``compat``, ``rules/token_weighting``
-and accumulate's ``microstep``, ``slot_sums`` and ``typed_sums``), beside
+and accumulate's ``microstep``, ``slot_sums``, ``typed_sums`` and
+``saved_state``), beside
 the first-device helpers, which run inside manual axes without entering
 any; ``axes`` the manual axes (varying, ``device_local``, their checks);
 ``collectives`` gathers, reduce-scatters and psums by spec, and the
@@ -144,26 +149,26 @@ falls back.
 ``state_access.py`` reads a state (``find_accumulate_state``,
 ``has_updated``, ``grad_stats``, ``tokens_seen``); ``applying.py`` applies
 its updates (``apply_if_updated``, ``update_and_apply``);
-``tools/state_specs.py`` gives a state's specs and ``reduced_state``;
-``tools/saved_state.py`` saves one mid-cycle as it lies
-(``checkpointable_state``, ``restored_state``). Nothing below
+``state_specs.py`` gives a state's specs and ``reduced_state`` (an
+``accumulate`` state laid out for a shard_map or a checkpoint);
+``saved_state.py`` saves one mid-cycle as it lies (``checkpointable_state``,
+``restored_state``: each device's partial sum in its own slot of a
+checkpoint, and back). Nothing below
 ``update_call.sum_layout_of`` asks which form it is in.
 
-**tools/**: opt-in, off every hot path. ``hlo`` (``count_collectives``,
-on ``hlo_text``'s parser of compiled HLO; ``async_chains`` reads XLA TPU's
-asynchronous collective fusions, one collective a chain), ``self_check``
-(``check_train_step``: judges what ``step_reading`` reads on the same
-parser, the micro-batch loop's trip count and where the gradient is
-reduced), ``overlap`` (``reduction_overlap``: in the scheduled order,
-whether each gradient reduction is asynchronous and starts before the last
-matrix multiply, on the same parser and ``matmul_flops``' count of the
-matrix multiplies), ``planner`` (``plan_microbatches``, on
-``planner_step``'s step and ``memory_analysis``'s reading of a compiled
-program's memory),
-``state_specs`` (``state_partition_specs``, ``reduced_state``: an
-``accumulate`` state laid out for a shard_map or a checkpoint),
-``saved_state`` (``checkpointable_state``, ``restored_state``: each
-device's partial sum in its own slot of a checkpoint, and back).
+**compiled/**: readers of compiled programs, opt-in and off every hot
+path, all on one parser of compiled HLO text, ``hlo_text``, whose public
+names are the folder's inside. ``hlo`` (``count_collectives``;
+``async_chains`` reads XLA TPU's asynchronous collective fusions),
+``self_check`` (``check_train_step``: judges what ``step_reading`` reads,
+the micro-batch loop's trip count and where the gradient is reduced),
+``overlap`` (``reduction_overlap``, with ``matmul_flops``' count of the
+matrix multiplies), ``memory_analysis`` (a compiled program's memory).
+It imports nothing from ``microbatch/`` or ``accumulate/``: the named
+scopes it looks for come from ``names``.
+
+**planner/**: ``planner`` (``plan_microbatches``, on ``planner_step``'s
+step and ``memory_analysis``' reading of its memory).
 
 The same words name the forms in both families: *single* (no data axis),
 *manual* (data axes made manual: shard_map, pmap), *typed* (Explicit data

@@ -31,11 +31,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-# The named scope of run_if's loop, as the op_name metadata of the program
-# has it: the readers of compiled programs (``oa.count_collectives``,
-# ``oa.check_train_step``) count what runs in it as in a branch, not once per
-# iteration of a loop.
-SCOPE = "optax_accum_at_most_once"
+from optax_accum._src import names
 
 
 def per_compiler(branched: Callable[[], Any], looped: Callable[[], Any],
@@ -75,7 +71,7 @@ def run_if(pred: jax.Array, body: Callable[..., Any], init: Any,
       _, reads = lax.optimization_barrier((go, operands))
       return ~go, body(x, *reads, *consts)  # ~go: False, typed like pred.
 
-    with jax.named_scope(SCOPE):
+    with jax.named_scope(names.AT_MOST_ONCE_SCOPE):
       return lax.while_loop(lambda carry: carry[0], trip, (pred, init))[1]
 
   def branch(x, operands, consts):

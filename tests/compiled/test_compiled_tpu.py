@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import optax_accum as oa
-from optax_accum._src.tools import hlo
+from optax_accum._src.compiled import hlo
 from zoo import compile_only as co
 from zoo import peers
 from zoo import typed_model as tm

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import pytest
 
 import optax_accum as oa
-from optax_accum._src.tools import memory_analysis
+from optax_accum._src.compiled import memory_analysis
 
 DEPTH, WIDTH, BATCH = 8, 256, 8192  # 8 MiB of activations per layer
 MiB = 2**20

@@ -21,7 +21,7 @@ import pytest
 
 import helpers
 import optax_accum as oa
-from optax_accum._src.tools import hlo
+from optax_accum._src.compiled import hlo
 
 pytestmark = pytest.mark.skipif(
     not hasattr(P(), "unreduced") or not hasattr(jax.sharding, "reshard"),

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import optax
 
 import optax_accum as oa
-from optax_accum._src.tools import hlo
+from optax_accum._src.compiled import hlo
 from zoo import compile_only as co
 from zoo import typed_model as tm
 

@@ -34,8 +34,8 @@ import optax
 import pytest
 
 import optax_accum as oa
+from optax_accum._src.compiled import hlo
 from optax_accum._src.mesh import readers
-from optax_accum._src.tools import hlo
 
 SUPPORT = pathlib.Path(__file__).parent  # tests/support: helpers, workers.
 ROOT = SUPPORT.parents[1]  # the repository root.

@@ -155,7 +155,7 @@ def main(process_id: int, num_processes: int, port: int, out: str) -> None:
 
 def _reductions(compiled, mesh, data_axes):
   """``[looped, bytes]`` of each reduction over the data axes."""
-  from optax_accum._src.tools import hlo  # pylint: disable=g-import-not-at-top
+  from optax_accum._src.compiled import hlo  # pylint: disable=g-import-not-at-top
   return [[c.looped, c.nbytes] for c in hlo.collectives(compiled, mesh)
           if c.collective in ("all-reduce", "reduce-scatter")
           and set(c.axes) & set(data_axes)]
@@ -207,7 +207,7 @@ def _zero_problem(mesh, global_array, gradient_sync):
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
   import optax_accum as oa  # pylint: disable=g-import-not-at-top
-  from optax_accum._src.tools import hlo  # pylint: disable=g-import-not-at-top
+  from optax_accum._src.compiled import hlo  # pylint: disable=g-import-not-at-top
 
   opt = zero_optimizer()
   with jax.set_mesh(mesh):

@@ -18,17 +18,19 @@ SRC = pathlib.Path(optax_accum.__file__).parent / "_src"
 
 # Each room's floor: a module may import its own room or a lower floor.
 FLOORS = {
+    "names": 0,
     "caller_warnings": 0,
-    "conditional_loops": 0,
     "flax_nnx": 0,
     "keyword_names": 0,
     "tree_match": 0,
+    "conditional_loops": 1,
     "validation": 1,
     "mesh": 2,
     "rules": 3,
+    "compiled": 3,  # reads compiled programs: never the two families.
     "microbatch": 4,
     "accumulate": 4,
-    "tools": 5,
+    "planner": 5,
     "proving": 5,
 }
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_accum._src import conditional_loops
+from optax_accum._src import names
 from optax_accum._src.accumulate import outputs
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import window_args
@@ -36,9 +37,6 @@ from optax_accum._src.mesh import readers
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import noise_scale
 from optax_accum._src.rules import token_weighting
-
-# The named scope of the emitting branch (oa.check_train_step finds it).
-SCOPE = "optax_accum_emit"
 
 
 def choose(pred: jax.Array, made: Callable[[Any, Any], Any],
@@ -175,7 +173,7 @@ def decide(emit: jax.Array, cycle: sum_layout.Cycle, state: Any,
 
   def emitting(carry: outputs.Emitted,
                reads: sum_layout.Cycle) -> outputs.Emitted:
-    with jax.named_scope(SCOPE):
+    with jax.named_scope(names.EMIT_SCOPE):
       grad_sum, params = output.joined(carry.out, reads)
       reduced = layout.reduced(reads._replace(grad_sum=grad_sum),
                                emitter.rules)

@@ -9,7 +9,6 @@ import optax
 from optax_accum._src import flax_nnx
 from optax_accum._src import keyword_names
 from optax_accum._src import validation
-from optax_accum._src.accumulate import emit as emit_lib
 from optax_accum._src.accumulate import placement
 from optax_accum._src.accumulate import sharded_inner
 from optax_accum._src.accumulate import state as state_lib
@@ -17,9 +16,6 @@ from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import update_call
 from optax_accum._src.accumulate import zero_sums
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
-
-# The named scope of the emitting branch (oa.check_train_step finds it).
-EMIT_SCOPE = emit_lib.SCOPE
 
 
 class AccumulateTransformation(optax.GradientTransformationExtraArgs):

@@ -27,6 +27,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from optax_accum._src import names
 from optax_accum._src.mesh import compat
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import token_weighting
@@ -37,12 +38,6 @@ _WIDE = (jnp.float32, jnp.float64, jnp.bfloat16)
 # Loss dtypes that hold the weight itself exactly enough to seed with it
 # (bfloat16 rounds a count of 1234 to 1232).
 _SEEDS = (jnp.float32, jnp.float64)
-
-
-# The named scope of the counting before the loop: the readers of compiled
-# programs (``oa.count_collectives``, ``oa.check_train_step``) count its sum
-# over the devices (k counts, XLA's one small all-reduce) with the scalars.
-SCOPE = "optax_accum_token_counts"
 
 
 class Plan(NamedTuple):
@@ -91,7 +86,7 @@ def plan(count: Any, take: Any, num_microbatches: int,
   0's data if none is kept): the count reaches the sums, the result NaN.
   """
   indices = jnp.arange(num_microbatches)
-  with jax.named_scope(SCOPE):
+  with jax.named_scope(names.TOKEN_COUNTS_SCOPE):
     counts = lax.map(lambda i: count(take(i)), indices)
   kept = token_weighting.contribution(counts, loss_reduction).keep
   bad = token_weighting.is_bad_count(counts)

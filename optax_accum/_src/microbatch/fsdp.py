@@ -31,29 +31,25 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import caller_warnings
+from optax_accum._src import names
 from optax_accum._src.mesh import readers
-
-ONCE = "once"
-EVERY_MICROBATCH = "every_microbatch"
-DEFERRED = "deferred"  # gradient_sync only.
-CHOICES = (ONCE, EVERY_MICROBATCH)
 
 
 class Policy(NamedTuple):
   """Where a data-parallel loop gathers parameters and syncs gradients."""
 
-  gradient_sync: str = ONCE  # "once", "every_microbatch" or "deferred".
-  gather_params: str = ONCE  # "once" or "every_microbatch".
+  gradient_sync: str = names.ONCE  # "once", "every_microbatch" or "deferred".
+  gather_params: str = names.ONCE  # "once" or "every_microbatch".
 
   def gathers_in_loop(self, sharded: bool) -> bool:
     """Whether a leaf (sharded over data axes or not) is gathered in the
     loop, for each micro-batch."""
-    return sharded and self.gather_params == EVERY_MICROBATCH
+    return sharded and self.gather_params == names.EVERY_MICROBATCH
 
   def syncs_in_loop(self, sharded: bool) -> bool:
     """Whether a leaf's gradient is reduce-scattered in the loop, for each
     micro-batch, into a sum sharded like it."""
-    return sharded and self.gradient_sync == EVERY_MICROBATCH
+    return sharded and self.gradient_sync == names.EVERY_MICROBATCH
 
 
 def gathered_in_loop(leaves: list[Any], in_loop: list[bool], index: Any,
@@ -77,8 +73,8 @@ def gathered_in_loop(leaves: list[Any], in_loop: list[bool], index: Any,
 def policy(gradient_sync: Any, gather_params: Any) -> Policy:
   """A checked :class:`Policy`, or an error naming the bad argument."""
   for name, value, choices in (
-      ("gradient_sync", gradient_sync, CHOICES + (DEFERRED,)),
-      ("gather_params", gather_params, CHOICES)):
+      ("gradient_sync", gradient_sync, names.CHOICES + (names.DEFERRED,)),
+      ("gather_params", gather_params, names.CHOICES)):
     if not isinstance(value, str) or value not in choices:
       raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
   return Policy(gradient_sync, gather_params)

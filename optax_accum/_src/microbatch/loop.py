@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from optax_accum._src import names
 from optax_accum._src import validation
 from optax_accum._src.mesh import axes
 from optax_accum._src.microbatch import batching
@@ -34,9 +35,6 @@ from optax_accum._src.rules import aux_reduction as aux_reduction_lib
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import noise_scale
 from optax_accum._src.rules import token_weighting
-
-# The named scope of the micro-batch loop (oa.check_train_step finds it).
-LOOP_SCOPE = "optax_accum_microbatch_loop"
 
 
 class Sums(NamedTuple):
@@ -251,7 +249,7 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
   last = last_step if trip_count.peeled(
       opts.overlap_reduction, opts.num_microbatches,
       lay.reduces_only_after_loop()) else None
-  with jax.named_scope(LOOP_SCOPE):
+  with jax.named_scope(names.LOOP_SCOPE):
     if borrow is None:
       (sums, model_state), (values, stacked) = trip_count.run_microbatches(
           step, init, opts.num_microbatches, inputs.num_real, last)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from optax_accum._src import names
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import collectives
 from optax_accum._src.mesh import compat
@@ -191,7 +192,7 @@ class ManualLayout(NamedTuple):
     specs = jax.tree.leaves(self.specs, is_leaf=lambda x: isinstance(x, P))
     if any(self._syncs_in_loop(s) for s in specs):
       return False
-    return (self.policy.gradient_sync != fsdp.DEFERRED
+    return (self.policy.gradient_sync != names.DEFERRED
             or any(_is_sharded(s) for s in specs))
 
   def reduce(self, partials):
@@ -220,8 +221,8 @@ class ManualLayout(NamedTuple):
     sync = self.policy.gradient_sync
     return collectives.sum_into_shards(
         total, self.specs, extra, self.axis_name,
-        keep_unreduced=sync == fsdp.DEFERRED,
-        scattered=sync == fsdp.EVERY_MICROBATCH)
+        keep_unreduced=sync == names.DEFERRED,
+        scattered=sync == names.EVERY_MICROBATCH)
 
   def gather_rows(self, reps, batch):
     """The representations all-gathered over the axes; ``batch`` stays this
@@ -257,9 +258,9 @@ def build_manual(params: Any, param_specs: Any, axis_name: readers.AxisName,
                           axis_name)
   if not any(_is_sharded(s) for s in jax.tree.leaves(
       specs, is_leaf=lambda x: isinstance(x, P))):
-    deferred = policy.gradient_sync == fsdp.DEFERRED
-    policy = fsdp.Policy(gradient_sync=fsdp.DEFERRED if deferred
-                         else fsdp.ONCE)
+    deferred = policy.gradient_sync == names.DEFERRED
+    policy = fsdp.Policy(gradient_sync=names.DEFERRED if deferred
+                         else names.ONCE)
   return ManualLayout(specs, axis_name, policy, leaf_axes)
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import names
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import manual
 from optax_accum._src.mesh import readers
@@ -76,11 +77,11 @@ def run(program: layout.Program, settings: Settings, params: Any,
 def _check(form: forms.Form, settings: Settings, params: Any,
            inputs: loss_signature.Inputs) -> None:
   """What each form refuses (or warns of), before anything is traced."""
-  deferred = settings.policy.gradient_sync == fsdp.DEFERRED
+  deferred = settings.policy.gradient_sync == names.DEFERRED
   if form.kind != forms.SINGLE:
     fsdp.check_fits_mesh(params, settings.param_specs, form.axis_name,
                          whole=form.kind in (forms.TYPED, forms.AUTO))
-    if settings.policy.gradient_sync == fsdp.EVERY_MICROBATCH:
+    if settings.policy.gradient_sync == names.EVERY_MICROBATCH:
       fsdp.warn_if_sync_unused(
           _param_specs(params, settings.param_specs, form.axis_name),
           form.axis_name)

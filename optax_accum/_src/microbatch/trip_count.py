@@ -16,12 +16,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._src import conditional_loops
+from optax_accum._src import names
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import readers
-
-# The named scope of the last micro-batch where it runs after the loop
-# (:func:`peeled`): the readers of compiled programs count it as a trip.
-PEELED_SCOPE = "optax_accum_last_microbatch"
 
 
 def peeled(asked: bool, num_microbatches: int, reduces: bool) -> bool:
@@ -104,7 +101,7 @@ def run_borrowing(step, init, runs, num_microbatches, num_real,
                                     init)
     last = num_real - 1
   if peel:
-    with jax.named_scope(PEELED_SCOPE):
+    with jax.named_scope(names.PEELED_SCOPE):
       carry = body_of(last_step(carry))(carry, last)
   dtype, stacked = seen[-1]
   return carry, (jax.ShapeDtypeStruct((num_microbatches,), dtype), stacked)
@@ -126,7 +123,7 @@ def run_microbatches(step, init, num_microbatches, num_real,
     return lax.scan(step, init, indices)
   if num_real is None:
     carry, outs = lax.scan(step, init, indices[:-1])
-    with jax.named_scope(PEELED_SCOPE):
+    with jax.named_scope(names.PEELED_SCOPE):
       carry, last = last_step(carry)(carry, jnp.int32(num_microbatches - 1))
     return carry, jax.tree.map(
         lambda xs, x: jnp.concatenate([xs, x[None]]), outs, last)
@@ -155,5 +152,5 @@ def run_microbatches(step, init, num_microbatches, num_real,
   if last_step is None:
     return lax.fori_loop(0, num_real, body_of(step), (init, stacked))
   state = lax.fori_loop(0, num_real - 1, body_of(step), (init, stacked))
-  with jax.named_scope(PEELED_SCOPE):
+  with jax.named_scope(names.PEELED_SCOPE):
     return body_of(last_step(state[0]))(num_real - 1, state)

@@ -46,6 +46,7 @@ from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import names
 from optax_accum._src.mesh import collectives
 from optax_accum._src.mesh import compat
 from optax_accum._src.mesh import readers
@@ -285,7 +286,7 @@ class TypedLayout(NamedTuple):
     if not all(self.reduced) or any(
         self._syncs_in_loop(i) for i in range(len(self.reduced))):
       return False
-    return (self.policy.gradient_sync != fsdp.DEFERRED
+    return (self.policy.gradient_sync != names.DEFERRED
             or any(self._sharded(i) for i in range(len(self.reduced))))
 
   def reduce(self, partials):
@@ -296,7 +297,7 @@ class TypedLayout(NamedTuple):
     the others (a replicated sum is cast there, its value on one device).
     Loss, token counts, aux and model state are global values already.
     """
-    deferred = self.policy.gradient_sync == fsdp.DEFERRED
+    deferred = self.policy.gradient_sync == names.DEFERRED
 
     def finished(i, s):
       if not deferred:

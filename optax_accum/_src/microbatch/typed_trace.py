@@ -21,6 +21,7 @@ import jax.extend
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import names
 from optax_accum._src.mesh import compat
 from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import cast_checks
@@ -142,6 +143,6 @@ def build_typed(
   reduced_fallbacks.publish(reduced_fallbacks.report(
       params, fallback, readers.axes_of(axis_name), seconds,
       num_microbatches=num_microbatches,
-      deferred=policy.gradient_sync == fsdp.DEFERRED, whole=whole))
+      deferred=policy.gradient_sync == names.DEFERRED, whole=whole))
   return layout_for(frozenset(c for c in candidates if c not in fallback),
                     shards), partials

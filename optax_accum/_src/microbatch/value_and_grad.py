@@ -5,6 +5,7 @@ import functools
 from typing import Any
 
 from optax_accum._src import keyword_names
+from optax_accum._src import names
 from optax_accum._src import validation
 from optax_accum._src.microbatch import batching
 from optax_accum._src.microbatch import fsdp
@@ -173,7 +174,7 @@ def value_and_grad(
   )
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
-  if settings.policy.gradient_sync == fsdp.DEFERRED and opts.with_stats:
+  if settings.policy.gradient_sync == names.DEFERRED and opts.with_stats:
     raise ValueError(
         "with_stats=True needs the reduced gradient's norm, which"
         " gradient_sync='deferred' does not compute: use one or the other."

@@ -22,11 +22,12 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import names
 from optax_accum._src import validation
+from optax_accum._src.compiled import hlo
+from optax_accum._src.compiled import memory_analysis
 from optax_accum._src.microbatch import fsdp
-from optax_accum._src.tools import hlo
-from optax_accum._src.tools import memory_analysis
-from optax_accum._src.tools import planner_step
+from optax_accum._src.planner import planner_step
 
 _PLANNED = ("num_microbatches", "gradient_sync", "gather_params")
 _ONCE = fsdp.Policy()
@@ -34,9 +35,9 @@ _ONCE = fsdp.Policy()
 # earlier one, so it is compiled only when nothing in the earlier ones fits.
 _GROUPS = (
     (_ONCE,),
-    (fsdp.Policy(fsdp.EVERY_MICROBATCH, fsdp.ONCE),
-     fsdp.Policy(fsdp.ONCE, fsdp.EVERY_MICROBATCH)),
-    (fsdp.Policy(fsdp.EVERY_MICROBATCH, fsdp.EVERY_MICROBATCH),),
+    (fsdp.Policy(names.EVERY_MICROBATCH, names.ONCE),
+     fsdp.Policy(names.ONCE, names.EVERY_MICROBATCH)),
+    (fsdp.Policy(names.EVERY_MICROBATCH, names.EVERY_MICROBATCH),),
 )
 _CACHE_SIZE = 256
 _cache: dict[Any, "_Measured"] = {}

@@ -14,10 +14,10 @@ from typing import Any, NamedTuple
 
 import jax
 
+from optax_accum._src import names
 from optax_accum._src import validation
+from optax_accum._src.compiled import step_reading
 from optax_accum._src.mesh import readers
-from optax_accum._src.microbatch import fsdp
-from optax_accum._src.tools import step_reading
 
 Loop, Reduction = step_reading.Loop, step_reading.Reduction
 
@@ -58,25 +58,6 @@ class TrainStepCheck(NamedTuple):
   gradient_elements: dict[str, int] | None = None  # with params.
 
 
-def _check_data_axes(data_axes: Any, mesh: Any) -> tuple[str, ...] | None:
-  if data_axes is None:
-    return None
-  names = data_axes if isinstance(data_axes, tuple) else (data_axes,)
-  if not names or not all(isinstance(n, str) for n in names):
-    raise TypeError(
-        "data_axes must be None, a mesh axis name or a tuple of them, got"
-        f" {data_axes!r}.")
-  if mesh is None:
-    raise ValueError(
-        f"data_axes={data_axes!r} needs the mesh the program was compiled"
-        " for, and this program does not tell it: pass mesh=mesh.")
-  if missing := [n for n in names if n not in mesh.axis_names]:
-    raise ValueError(
-        f"data_axes={data_axes!r} names {missing}, not an axis of the mesh"
-        f" {tuple(mesh.axis_names)}: pass the axes the batch is split over.")
-  return names
-
-
 class _Gradient(NamedTuple):
   """The gradient elements a group of devices over each data axis sums."""
 
@@ -98,12 +79,12 @@ def _gradient_elements(params: Any, mesh: Any,
   least, smallest, most = dict.fromkeys(data_axes, 0), {}, 0
   for leaf in jax.tree.leaves(params):
     spec = readers.placed_spec(leaf)
-    names = () if spec is None else readers.spec_names(spec)
+    spec_axes = () if spec is None else readers.spec_names(spec)
     if (n := math.prod(leaf.shape)) <= 1:
       continue
-    most += n // math.prod(sizes[a] for a in names if a not in data_axes)
+    most += n // math.prod(sizes[a] for a in spec_axes if a not in data_axes)
     for axis in data_axes:
-      share = n // math.prod(sizes[a] for a in names if a != axis)
+      share = n // math.prod(sizes[a] for a in spec_axes if a != axis)
       least[axis] += share
       smallest[axis] = min(smallest.get(axis, share), share)
   return _Gradient(least, most, smallest)
@@ -198,7 +179,7 @@ def _reduction_findings(step: step_reading.Step, gradient_sync: str,
   # A micro-step reduces only when it emits; a whole step only after the loop.
   wrong = ("in_loop", "outside") if step.accumulate_step else ("in_loop",)
   for collective in step_reading.REDUCTIONS:
-    if collective == "reduce-scatter" and gradient_sync != fsdp.ONCE:
+    if collective == "reduce-scatter" and gradient_sync != names.ONCE:
       continue  # the FSDP policy's own, once per micro-batch.
     these = [r for r in step.reductions
              if r.collective == collective and r.place in wrong]
@@ -324,15 +305,15 @@ def check_train_step(
   if num_microbatches is not None:
     num_microbatches = validation.check_positive_int(
         "num_microbatches", num_microbatches)
-  if gradient_sync not in fsdp.CHOICES:
+  if gradient_sync not in names.CHOICES:
     raise ValueError(
-        f"gradient_sync must be one of {fsdp.CHOICES}, the value the step's"
+        f"gradient_sync must be one of {names.CHOICES}, the value the step's"
         " oa.value_and_grad (one call per micro-batch: its oa.accumulate)"
         f" was given, got {gradient_sync!r}.")
   validation.check_mesh(mesh)
   program = step_reading.compiled(program)
   mesh = step_reading.program_mesh(program) if mesh is None else mesh
-  data_axes = _check_data_axes(data_axes, mesh)
+  data_axes = step_reading.check_data_axes(data_axes, mesh)
   if params is not None and mesh is None:
     raise ValueError("params needs the mesh the program was compiled for,"
                      " and this program does not tell it: pass mesh=mesh.")

@@ -3,8 +3,8 @@ loops (their trip counts), where its gradient-sized reductions run, and
 the form it runs in (under ``jax.jit`` with Explicit axes, or inside a
 ``shard_map``), which decides the fix for what is wrong.
 
-The walk of the HLO is ``parse_collectives``', on ``hlo_text``'s parser and
-readers (private there), keeping which loops and branches enclose each
+The walk of the HLO is ``parse_collectives``', on ``hlo_text``'s parser,
+keeping which loops and branches enclose each
 instruction, where ``parse_collectives`` keeps only whether some do.
 :func:`optax_accum.check_train_step` judges what this reads.
 """
@@ -15,20 +15,17 @@ from typing import Any, NamedTuple
 
 import jax
 
-from optax_accum._src.accumulate import transform
+from optax_accum._src import names
+from optax_accum._src.compiled import async_chains
+from optax_accum._src.compiled import hlo
+from optax_accum._src.compiled import hlo_text
 from optax_accum._src.mesh import readers
-from optax_accum._src.microbatch import loop as loop_lib
-from optax_accum._src.microbatch import trip_count as trip_count_lib
-from optax_accum._src.tools import async_chains
-from optax_accum._src.tools import hlo
-from optax_accum._src.tools import hlo_text
 
-# The named scopes of microbatch/loop.py's loop and accumulate/transform.py's
-# emitting branch, as the op_name metadata of the compiled program has them.
-_LOOP_OP_NAME = re.compile(re.escape(loop_lib.LOOP_SCOPE) + r"/while$")
-_EMIT_SCOPE = transform.EMIT_SCOPE
-# The last micro-batch, where it runs after the loop (SPEC 13): one more trip.
-_PEELED = re.compile(re.escape(trip_count_lib.PEELED_SCOPE) + r"(?:/|$)")
+# The named scopes of the micro-batch loop and of accumulate's emitting
+# branch, as the op_name metadata of the compiled program has them.
+_LOOP_OP_NAME = re.compile(re.escape(names.LOOP_SCOPE) + r"/while$")
+# The last micro-batch, where it runs after the loop: one more trip.
+_PEELED = re.compile(re.escape(names.PEELED_SCOPE) + r"(?:/|$)")
 _OP_NAME = re.compile(r'\bop_name="([^"]*)"')
 _KNOWN_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _INT_CONSTANT = re.compile(r"=\s*[su](?:8|16|32|64)\[\]\S*\s+constant\((\d+)\)")
@@ -77,11 +74,11 @@ def walk(entry: str, computations: dict[str, Any]):
       return
     for opcode, rest, line in computations.get(name, ()):
       yield Instruction(opcode, rest, line, name, loops, branches, scatter)
-      if opcode in hlo_text._ASYNC_CONTINUATIONS:
+      if opcode in hlo_text.ASYNC_CONTINUATIONS:
         continue
       fused = line if hlo_text.is_reduce_scatter_fusion(line) else None
-      here = hlo_text._name(line)
-      for attribute, called in hlo_text._CALLED.findall(rest):
+      here = hlo_text.instruction_name(line)
+      for attribute, called in hlo_text.CALLED.findall(rest):
         for callee in called.strip("{}").split(","):
           callee = callee.strip().lstrip("%")
           if not callee:
@@ -133,7 +130,8 @@ def microbatch_loops(instructions, computations,
     if inst.opcode == "while" and not hlo_text.runs_at_most_once(inst.rest):
       op_name = _OP_NAME.search(inst.rest)
       loops.append(Loop(
-          hlo_text._name(inst.line), trip_count(inst.rest, computations),
+          hlo_text.instruction_name(inst.line),
+          trip_count(inst.rest, computations),
           bool(op_name and _LOOP_OP_NAME.search(op_name.group(1))),
           not inst.loops))
   loops = list({loop.name: loop for loop in loops}.values())
@@ -173,19 +171,19 @@ def reductions(instructions, computations, loop_names, emitting,
   """The gradient-sized reductions over ``data_axes`` (None: any), placed."""
   found = []
   for inst in instructions:
-    collective = hlo_text._OPCODE_TO_COLLECTIVE.get(inst.opcode)
+    collective = hlo_text.OPCODE_TO_COLLECTIVE.get(inst.opcode)
     if inst.scatter is not None and collective == "all-reduce":
       collective = "reduce-scatter"  # XLA's TPU reduce-scatter fusion.
     if collective not in REDUCTIONS or async_chains.is_chain_copy(
         inst.rest, inst.computation, computations):
       continue
-    shapes = hlo_text._result_shapes(inst.scatter or inst.line)
+    shapes = hlo_text.result_shapes(inst.scatter or inst.line)
     if hlo_text.is_scalar_sum(inst.rest, shapes, inst.computation,
                               computations):
       continue
     axes = elements = None
     if mesh is not None:
-      axes = hlo_text._collective_axes(inst.rest, positions, mesh)
+      axes = hlo_text.collective_axes(inst.rest, positions, mesh)
       if data_axes is not None and not set(axes) & set(data_axes):
         continue
       elements = sum(n for _, dims in shapes if (n := math.prod(dims)) > 1)
@@ -193,7 +191,7 @@ def reductions(instructions, computations, loop_names, emitting,
         elements *= math.prod(mesh.shape[a] for a in axes)
     found.append(Reduction(
         collective, place(inst, loop_names, emitting),
-        sum(hlo_text._ITEMSIZE[t] * math.prod(d) for t, d in shapes),
+        sum(hlo_text.ITEMSIZE[t] * math.prod(d) for t, d in shapes),
         axes, elements))
   return found
 
@@ -231,13 +229,34 @@ def form(instructions, mesh: Any,
   op_names = [m.group(1) for inst in instructions
               if (m := _OP_NAME.search(inst.rest))]
   outer = [name.split(scope)[0] for name in op_names
-           for scope in (loop_lib.LOOP_SCOPE, _EMIT_SCOPE) if scope in name]
+           for scope in (names.LOOP_SCOPE, names.EMIT_SCOPE) if scope in name]
   if any(_IN_SHARD_MAP.search(name) for name in outer or op_names):
     return MANUAL
   if mesh is not None and readers.are_explicit(
       mesh, data_axes or tuple(mesh.axis_names)):
     return TYPED
   return None
+
+
+def check_data_axes(data_axes: Any, mesh: Any) -> tuple[str, ...] | None:
+  """``data_axes`` as a tuple of ``mesh``'s axis names (None for None), or an
+  error naming what is wrong with it."""
+  if data_axes is None:
+    return None
+  axis_names = data_axes if isinstance(data_axes, tuple) else (data_axes,)
+  if not axis_names or not all(isinstance(n, str) for n in axis_names):
+    raise TypeError(
+        "data_axes must be None, a mesh axis name or a tuple of them, got"
+        f" {data_axes!r}.")
+  if mesh is None:
+    raise ValueError(
+        f"data_axes={data_axes!r} needs the mesh the program was compiled"
+        " for, and this program does not tell it: pass mesh=mesh.")
+  if missing := [n for n in axis_names if n not in mesh.axis_names]:
+    raise ValueError(
+        f"data_axes={data_axes!r} names {missing}, not an axis of the mesh"
+        f" {tuple(mesh.axis_names)}: pass the axes the batch is split over.")
+  return axis_names
 
 
 class Step(NamedTuple):
@@ -252,18 +271,18 @@ class Step(NamedTuple):
 def read_step(program: Any, mesh: Any, data_axes: tuple[str, ...] | None,
                num_microbatches: int | None) -> Step:
   """Reads ``program``'s text: where its loops and reductions are."""
-  text, devices = hlo._read(program)
-  entry, computations = hlo_text._parse(text)
+  text, devices = hlo.read_program(program)
+  entry, computations = hlo_text.parse(text)
   instructions = list(walk(entry, computations))
   loops = microbatch_loops(instructions, computations, num_microbatches)
   branches = {b for inst in instructions for b in inst.branches}
   emitting = {b for b in branches
-              if any(_EMIT_SCOPE in line
+              if any(names.EMIT_SCOPE in line
                      for *_, line in computations.get(b, ()))}
-  positions = None if mesh is None else hlo._logical_to_mesh_position(
+  positions = None if mesh is None else hlo.logical_to_mesh_position(
       devices, mesh)
   return Step(
-      loops, any(_EMIT_SCOPE in inst.line for inst in instructions),
+      loops, any(names.EMIT_SCOPE in inst.line for inst in instructions),
       reductions(instructions, computations, {loop.name for loop in loops},
                   emitting, positions, mesh, data_axes),
       form(instructions, mesh, data_axes))

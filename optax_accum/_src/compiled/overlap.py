@@ -19,12 +19,11 @@ import re
 from typing import Any, NamedTuple
 
 from optax_accum._src import validation
-from optax_accum._src.tools import async_chains
-from optax_accum._src.tools import hlo
-from optax_accum._src.tools import hlo_text
-from optax_accum._src.tools import matmul_flops
-from optax_accum._src.tools import self_check
-from optax_accum._src.tools import step_reading
+from optax_accum._src.compiled import async_chains
+from optax_accum._src.compiled import hlo
+from optax_accum._src.compiled import hlo_text
+from optax_accum._src.compiled import matmul_flops
+from optax_accum._src.compiled import step_reading
 
 _REDUCTIONS = step_reading.REDUCTIONS
 _CALLS = re.compile(r"\bcalls=%?([^\s,)]+)")
@@ -112,7 +111,7 @@ def _collective(opcode: str, rest: str, line: str, computation: str,
     inner = _reduction_in(callee.group(1) if callee else "", computations)
     return None if inner is None else inner._replace(
         name="reduce-scatter", shape_line=line)
-  name = hlo_text._OPCODE_TO_COLLECTIVE.get(opcode)
+  name = hlo_text.OPCODE_TO_COLLECTIVE.get(opcode)
   return _Collective(name, rest, line, computation) if (
       name in _REDUCTIONS) else None
 
@@ -128,8 +127,8 @@ def _reduction_in(callee: str, computations: dict[str, Any]):
 def _event(opcode: str, rest: str, line: str, entry: str,
            computations: dict[str, Any]) -> _Event | None:
   """What the entry instruction does to a reduction, if anything."""
-  name = hlo_text._name(line)
-  operands = hlo_text._OPERANDS.match(rest)
+  name = hlo_text.instruction_name(line)
+  operands = hlo_text.OPERANDS.match(rest)
   first = (operands.group(1).split(",")[0].split()[-1].lstrip("%")
            if operands and operands.group(1).strip() else "")
   if found := _collective(opcode, rest, line, entry, computations):
@@ -170,7 +169,7 @@ def _spans(entry: str, computations: dict[str, Any]):
       spans.append([event, i, len(instructions)])
       open_at[key] = spans[-1]
     elif event.role == "update":
-      key_of[hlo_text._name(line)] = key
+      key_of[hlo_text.instruction_name(line)] = key
     elif key in open_at:
       open_at.pop(key)[2] = i
   return spans
@@ -181,16 +180,16 @@ def _reduction(span, entry_work, last_matmul, computations, positions, mesh,
   """The reduction of one span, or None if it is not gradient-sized or not
   over ``data_axes``."""
   (role, _, found), start, done = span
-  shapes = hlo_text._result_shapes(found.shape_line)
+  shapes = hlo_text.result_shapes(found.shape_line)
   if hlo_text.is_scalar_sum(found.rest, shapes, found.computation,
                             computations):
     return None
   if mesh is not None and data_axes is not None and not set(
-      hlo_text._collective_axes(found.rest, positions, mesh)) & set(data_axes):
+      hlo_text.collective_axes(found.rest, positions, mesh)) & set(data_axes):
     return None
   return ScheduledReduction(
-      hlo_text._name(entry_work[start].line), found.name,
-      sum(hlo_text._ITEMSIZE[t] * math.prod(d) for t, d in shapes),
+      hlo_text.instruction_name(entry_work[start].line), found.name,
+      sum(hlo_text.ITEMSIZE[t] * math.prod(d) for t, d in shapes),
       role == "start", start < last_matmul,
       sum(w.flops for w in entry_work[start + 1:done]))
 
@@ -262,9 +261,9 @@ def reduction_overlap(
   validation.check_mesh(mesh)
   program = step_reading.compiled(program)
   mesh = step_reading.program_mesh(program) if mesh is None else mesh
-  data_axes = self_check._check_data_axes(data_axes, mesh)
+  data_axes = step_reading.check_data_axes(data_axes, mesh)
   try:
-    text, devices = hlo._read(program)
+    text, devices = hlo.read_program(program)
   except TypeError as e:
     e.add_note("oa.reduction_overlap: that is its argument `program`.")
     raise
@@ -273,14 +272,14 @@ def reduction_overlap(
         "program's HLO is not scheduled (no is_scheduled=true): pass the"
         " compiled program or its compiled.as_text(), whose order is the"
         " order XLA runs it in.")
-  entry_name, computations = hlo_text._parse(text)
+  entry_name, computations = hlo_text.parse(text)
   flops = matmul_flops.Counter(computations)
   entry_work = [_Work(line, *flops.of_instruction(opcode, rest, line,
                                                   entry_name))
                 for opcode, rest, line in computations[entry_name]]
   last_matmul = max((i for i, w in enumerate(entry_work) if w.matmuls),
                     default=-1)
-  positions = None if mesh is None else hlo._logical_to_mesh_position(
+  positions = None if mesh is None else hlo.logical_to_mesh_position(
       devices, mesh)
   found = [r for span in _spans(entry_name, computations)
            if (r := _reduction(span, entry_work, last_matmul, computations,

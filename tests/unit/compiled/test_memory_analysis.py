@@ -11,7 +11,7 @@ import types
 import jax
 import jax.numpy as jnp
 
-from optax_accum._src.tools import memory_analysis
+from optax_accum._src.compiled import memory_analysis
 
 
 def _memory_stats(peak, temp, arguments=100, outputs=10, aliased=0):

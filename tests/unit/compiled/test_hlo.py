@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import optax_accum as oa
-from optax_accum._src.tools import hlo
+from optax_accum._src.compiled import hlo
 
 _HLO = """\
 HloModule m

@@ -14,8 +14,8 @@ import math
 import re
 from typing import Any
 
-from optax_accum._src.tools import hlo_text
-from optax_accum._src.tools import step_reading
+from optax_accum._src.compiled import hlo_text
+from optax_accum._src.compiled import step_reading
 
 _LHS_CONTRACTING = re.compile(r"\blhs_contracting_dims=\{([\d,]*)\}")
 # A GEMM custom-call's dimension numbers, in its backend config.
@@ -50,10 +50,10 @@ class Counter:
     with those of the computations it calls."""
     flops = self._own_flops(opcode, rest, line, computation)
     totals = [flops or 0, int(flops is not None)]
-    if opcode in hlo_text._ASYNC_CONTINUATIONS:  # the start's computation.
+    if opcode in hlo_text.ASYNC_CONTINUATIONS:  # the start's computation.
       return tuple(totals)
     branches = []
-    for attribute, called in hlo_text._CALLED.findall(rest):
+    for attribute, called in hlo_text.CALLED.findall(rest):
       for callee in called.strip("{}").split(","):
         callee = callee.strip().lstrip("%")
         if not callee:
@@ -79,7 +79,7 @@ class Counter:
     library = opcode == "custom-call" and _LIBRARY_MATMUL.search(rest)
     if opcode not in ("dot", "convolution") and not library:
       return None
-    shapes = hlo_text._result_shapes(line)
+    shapes = hlo_text.result_shapes(line)
     operands = self._operand_dims(rest, computation)
     if not shapes or len(operands) < 2:
       return 0
@@ -87,7 +87,7 @@ class Counter:
     contracting = (_LHS_CONTRACTING.search(rest)
                    or _GEMM_CONTRACTING.search(rest))
     if contracting is not None:
-      dims = hlo_text._ints(contracting.group(1).replace('"', ""))
+      dims = hlo_text.ints(contracting.group(1).replace('"', ""))
       return 2 * out * math.prod(operands[0][d] for d in dims
                                  if d < len(operands[0]))
     labels = _DIM_LABELS.search(rest)
@@ -104,18 +104,18 @@ class Counter:
     """The dimensions of an instruction's operands, where it names them."""
     if computation not in self._lines:
       self._lines[computation] = {
-          hlo_text._name(line): line
+          hlo_text.instruction_name(line): line
           for _, _, line in self._computations.get(computation, ())}
     lines = self._lines[computation]
-    operands = hlo_text._OPERANDS.match(rest)
+    operands = hlo_text.OPERANDS.match(rest)
     dims = []
     listed = _COMMENT.sub("", operands.group(1)) if operands else ""
     for operand in listed.split(","):
       operand = operand.strip()
       found = lines.get(operand.split()[-1].lstrip("%")) if operand else None
-      shapes = (hlo_text._result_shapes(found) if found is not None
-                else [(t, hlo_text._ints(d))
-                      for t, d in hlo_text._SHAPE.findall(operand)])
+      shapes = (hlo_text.result_shapes(found) if found is not None
+                else [(t, hlo_text.ints(d))
+                      for t, d in hlo_text.SHAPE.findall(operand)])
       if shapes:
         dims.append(shapes[0][1])
     return dims

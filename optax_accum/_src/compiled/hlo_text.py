@@ -7,6 +7,11 @@ collectives (listed replica groups, source-target pairs, XLA's iota lists,
 Shardy's mesh axes), read as the mesh axes they span. :func:`parse_collectives`
 walks it into one :class:`Collective` per collective instruction. It reads
 text only; ``hlo`` reads compiled programs and counts what this finds.
+
+Its public names are the parser the other readers of this folder walk
+programs with: :func:`parse`, :func:`instruction_name`, :func:`result_shapes`,
+:func:`collective_axes`, the patterns ``CALLED``, ``OPERANDS`` and ``SHAPE``,
+and the tables ``OPCODE_TO_COLLECTIVE`` and ``ITEMSIZE``.
 """
 
 import itertools
@@ -16,9 +21,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from optax_accum._src import conditional_loops
-from optax_accum._src.microbatch import borrowing
-from optax_accum._src.tools import async_chains
+from optax_accum._src import names
+from optax_accum._src.compiled import async_chains
 
 COLLECTIVES = (
     "all-reduce",
@@ -29,11 +33,11 @@ COLLECTIVES = (
 )
 
 # Asynchronous forms count once, at their start; "-done" only waits for it.
-_OPCODE_TO_COLLECTIVE = {op: op for op in COLLECTIVES}
-_OPCODE_TO_COLLECTIVE.update({f"{op}-start": op for op in COLLECTIVES})
-_OPCODE_TO_COLLECTIVE["ragged-all-to-all"] = "all-to-all"
+OPCODE_TO_COLLECTIVE = {op: op for op in COLLECTIVES}
+OPCODE_TO_COLLECTIVE.update({f"{op}-start": op for op in COLLECTIVES})
+OPCODE_TO_COLLECTIVE["ragged-all-to-all"] = "all-to-all"
 
-_ASYNC_CONTINUATIONS = ("async-update", "async-done")
+ASYNC_CONTINUATIONS = ("async-update", "async-done")
 
 _COMPUTATION_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")
@@ -45,8 +49,8 @@ _OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
 # result (a ring's reduce-scatter, not an all-reduce; libtpu 0.0.42).
 _REDUCE_SCATTER_FUSION = re.compile(r'"emitter":"\w*AllReduceScatterFusion"')
 _NAME = re.compile(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=")
-_OPERANDS = re.compile(r"^[a-z][a-z0-9\-]*\(([^()]*)\)")
-_CALLED = re.compile(
+OPERANDS = re.compile(r"^[a-z][a-z0-9\-]*\(([^()]*)\)")
+CALLED = re.compile(
     r"\b(condition|body|to_apply|calls|branch_computations|true_computation"
     r"|false_computation)=(\{[^}]*\}|%?[^\s,)]+)"
 )
@@ -69,13 +73,14 @@ _BRANCH_ATTRIBUTES = (
     "true_computation",
     "false_computation",
 )
-# A while named conditional_loops.SCOPE runs once or not at all: a branch.
+# A while named AT_MOST_ONCE_SCOPE (conditional_loops.run_if's) runs once or
+# not at all: a branch.
 _AT_MOST_ONCE = re.compile(
-    r'\bop_name="[^"]*' + re.escape(conditional_loops.SCOPE) + r'/while"')
+    r'\bop_name="[^"]*' + re.escape(names.AT_MOST_ONCE_SCOPE) + r'/while"')
 # oa.value_and_grad's token counts, summed over the devices before its loop
 # (XLA makes the k of them one small all-reduce): read as scalars.
 _TOKEN_COUNTS = re.compile(
-    r'\bop_name="[^"]*' + re.escape(borrowing.SCOPE) + "/")
+    r'\bop_name="[^"]*' + re.escape(names.TOKEN_COUNTS_SCOPE) + "/")
 
 
 def enclosure(opcode: str, rest: str, attribute: str) -> str | None:
@@ -96,9 +101,9 @@ def runs_at_most_once(rest: str) -> bool:
   return _AT_MOST_ONCE.search(rest) is not None
 
 # The parts of a result's shape (dtype[dims]), and the bytes of each dtype.
-_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64"
+SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64"
                     r"|c64|c128|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
              "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
              "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 
@@ -121,7 +126,8 @@ def is_reduce_scatter_fusion(line: str) -> bool:
   return _REDUCE_SCATTER_FUSION.search(line) is not None
 
 
-def _ints(text: str | None) -> list[int]:
+def ints(text: str | None) -> list[int]:
+  """The integers of a comma-separated list (``"2,4"``); [] for none."""
   return [int(i) for i in text.split(",") if i.strip()] if text else []
 
 
@@ -132,7 +138,7 @@ def _iota(dims: list[int], perm: list[int]) -> np.ndarray:
 
 
 def _listed(text: str) -> list[list[int]]:
-  return [_ints(group) for group in re.findall(r"\{([^}]*)\}", text)]
+  return [ints(group) for group in re.findall(r"\{([^}]*)\}", text)]
 
 
 def _mesh_axes_groups(match: re.Match[str]) -> list[list[int]]:
@@ -161,10 +167,10 @@ def _mesh_axes_groups(match: re.Match[str]) -> list[list[int]]:
         r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?", device_ids)
     if iota is None:
       raise ValueError(f"Cannot read the mesh's device_ids=({device_ids}).")
-    shape, reshape, perm = (_ints(group) for group in iota.groups())
+    shape, reshape, perm = (ints(group) for group in iota.groups())
     ids = _iota(reshape or shape, perm)
   else:
-    ids = np.array(_ints(device_ids) or range(math.prod(sizes.values())))
+    ids = np.array(ints(device_ids) or range(math.prod(sizes.values())))
   kept = [d for d in range(len(dims)) if d not in grouped_dims]
   group_size = math.prod(dims[d] for d in grouped_dims)
   ids = ids.reshape(dims).transpose(kept + grouped_dims)
@@ -185,7 +191,7 @@ def _device_groups(
   if match := _SOURCE_TARGET_PAIRS.search(attributes):
     return _listed(match.group(1))
   if match := _IOTA_GROUPS.search(attributes):
-    shape, dims, perm = (_ints(group) for group in match.groups())
+    shape, dims, perm = (ints(group) for group in match.groups())
     return _iota(dims, perm).reshape(shape).tolist()
   if match := _MESH_GROUPS.search(attributes):
     return _mesh_axes_groups(match)
@@ -230,7 +236,7 @@ def _operation(line: str) -> tuple[str, str] | None:
   return (opcode.group(1), rest) if opcode else None
 
 
-def _parse(text: str) -> tuple[str, dict[str, list[tuple[str, str, str]]]]:
+def parse(text: str) -> tuple[str, dict[str, list[tuple[str, str, str]]]]:
   """The entry computation's name and every computation's instructions."""
   computations = {}
   entry = None
@@ -260,20 +266,21 @@ def _parse(text: str) -> tuple[str, dict[str, list[tuple[str, str, str]]]]:
   return entry, computations
 
 
-def _result_shapes(line: str) -> list[tuple[str, list[int]]]:
+def result_shapes(line: str) -> list[tuple[str, list[int]]]:
   """``(dtype, dims)`` of each part of an instruction's result."""
   head = _INSTRUCTION.match(line).group(1)
   opcode_at = head.find(_operation(line)[0] + "(")
-  return [(dtype, _ints(dims)) for dtype, dims in
-          _SHAPE.findall(head[:opcode_at])]
+  return [(dtype, ints(dims)) for dtype, dims in
+          SHAPE.findall(head[:opcode_at])]
 
 
-def _name(line: str) -> str:
+def instruction_name(line: str) -> str:
+  """The name an HLO instruction line defines (``%fusion.3``: ``fusion.3``)."""
   return _NAME.match(line).group(1)
 
 
 def _elements(line: str) -> int:
-  return sum(math.prod(d) for _, d in _result_shapes(line))
+  return sum(math.prod(d) for _, d in result_shapes(line))
 
 
 def is_scalar_sum(rest: str, shapes: list[Any], computation: str,
@@ -293,18 +300,18 @@ def _concatenates_scalars(rest: str, computation: str,
   (a loss, a token count) into one small array, a ``concatenate`` or a
   fusion whose root is one, each of its parts a scalar or one element.
   """
-  operands = _OPERANDS.match(rest)
-  names = operands.group(1).split(",") if operands else []
-  if len(names) != 1:
+  operands = OPERANDS.match(rest)
+  operand_names = operands.group(1).split(",") if operands else []
+  if len(operand_names) != 1:
     return False
-  lines = {_name(line): (op, r, line)
+  lines = {instruction_name(line): (op, r, line)
            for op, r, line in computations.get(computation, ())}
-  found = lines.get(names[0].split()[-1].lstrip("%"))
+  found = lines.get(operand_names[0].split()[-1].lstrip("%"))
   if found is None:
     return False
   opcode, rest, _ = found
   if opcode == "concatenate":
-    parts = _OPERANDS.match(rest).group(1).split(",")
+    parts = OPERANDS.match(rest).group(1).split(",")
     return all(
         (part := lines.get(name.split()[-1].lstrip("%"))) is not None
         and _elements(part[2]) <= 1 for name in parts)
@@ -326,29 +333,29 @@ def parse_collectives(text: str, positions: Any = None,
   ``mesh`` give each collective the mesh axes it spans; without them its
   ``axes`` are None.
   """
-  entry, computations = _parse(text)
+  entry, computations = parse(text)
   found = []
 
   def visit(name, looped, branched, path, scatter=None):
     if name in path:  # not expected in HLO; guards against a malformed text.
       return
     for opcode, rest, line in computations.get(name, ()):
-      collective = _OPCODE_TO_COLLECTIVE.get(opcode)
+      collective = OPCODE_TO_COLLECTIVE.get(opcode)
       if collective is not None and not async_chains.is_chain_copy(
           rest, name, computations):
-        axes = None if positions is None else _collective_axes(
+        axes = None if positions is None else collective_axes(
             rest, positions, mesh)
-        shapes = _result_shapes(line if scatter is None else scatter)
+        shapes = result_shapes(line if scatter is None else scatter)
         if scatter is not None and collective == "all-reduce":
           collective = "reduce-scatter"  # XLA's TPU reduce-scatter fusion.
         found.append(Collective(
             collective, looped, branched, axes,
-            sum(_ITEMSIZE[t] * math.prod(d) for t, d in shapes),
+            sum(ITEMSIZE[t] * math.prod(d) for t, d in shapes),
             is_scalar_sum(rest, shapes, name, computations)))
-      if opcode in _ASYNC_CONTINUATIONS:  # the same computation as its start.
+      if opcode in ASYNC_CONTINUATIONS:  # the same computation as its start.
         continue
       fused_scatter = line if is_reduce_scatter_fusion(line) else None
-      for attribute, called in _CALLED.findall(rest):
+      for attribute, called in CALLED.findall(rest):
         for callee in called.strip("{}").split(","):
           callee = callee.strip().lstrip("%")
           if callee:
@@ -365,7 +372,7 @@ def parse_collectives(text: str, positions: Any = None,
   return found
 
 
-def _collective_axes(
+def collective_axes(
     attributes: str, positions: np.ndarray, mesh: Any
 ) -> tuple[str, ...]:
   """The mesh axes a collective's device groups span, read from its text."""

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from optax_accum._src import validation
-from optax_accum._src.tools import hlo_text
+from optax_accum._src.compiled import hlo_text
 
 # hlo_text's, named here too: the collectives this counts, and one found.
 COLLECTIVES = hlo_text.COLLECTIVES
@@ -71,7 +71,7 @@ def _device_assignment(compiled: Any) -> list[Any] | None:
   return None
 
 
-def _logical_to_mesh_position(devices: list[Any] | None,
+def logical_to_mesh_position(devices: list[Any] | None,
                               mesh: Any) -> np.ndarray:
   """For each logical device id of a program, its flat index in ``mesh``.
 
@@ -122,7 +122,7 @@ class _Tally:
     )
 
 
-def _read(program: Any) -> tuple[str, list[Any] | None]:
+def read_program(program: Any) -> tuple[str, list[Any] | None]:
   """The optimized HLO text of ``program`` and its devices (None: unknown).
 
   Takes HLO text as is; a :class:`jax.stages.Compiled` (loaded, or compiled
@@ -274,7 +274,7 @@ def count_collectives(
 
 def collectives(program: Any, mesh: Any = None) -> list[Collective]:
   """Every collective of a compiled ``program``, with its bytes and axes."""
-  text, devices = _read(program)
-  positions = None if mesh is None else _logical_to_mesh_position(
+  text, devices = read_program(program)
+  positions = None if mesh is None else logical_to_mesh_position(
       devices, mesh)
   return hlo_text.parse_collectives(text, positions, mesh)

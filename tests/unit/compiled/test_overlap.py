@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import optax_accum as oa
-from optax_accum._src.tools import hlo
+from optax_accum._src.compiled import hlo
 
 _ADD = """\
 %add (a: f32[], b: f32[]) -> f32[] {

@@ -17,8 +17,8 @@ import pytest
 
 import helpers
 import optax_accum as oa
-from optax_accum._src.tools import memory_analysis
-from optax_accum._src.tools import planner
+from optax_accum._src.compiled import memory_analysis
+from optax_accum._src.planner import planner
 
 N = 8  # simulated devices (tests/conftest.py).
 CANDIDATES = (1, 2, 4)
