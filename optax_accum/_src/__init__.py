@@ -113,13 +113,13 @@ falls back.
 .. code-block:: text
 
   transform.py          the factory (an AccumulateTransformation: init,
-   |                    update, update_and_apply); init(): placement.py
-   |                    refuses a wrapper that would skip our update;
-   |                    sharded_inner.init_sums lays the sums of Flax's
-   |                    optimizer_sharding Variables out unreduced
-  update_call.py        one update call (Step): sum_layout_of(), the form,
-   |                    once (the one place it is decided) -> a
-   |                    sum_layout.SumLayout:
+   |                    update, update_and_apply); init() refuses a
+   |                    wrapper that would skip our update, then lays
+   |                    the state out by the form layout_for picks
+   |                    (layout.init -> state.first_state)
+  update_call.py        one update call (Step): layout_for(), the form,
+   |                    once (the one place it is decided, for init and
+   |                    update) -> a sum_layout.SumLayout:
    |                      single    local_sums.SingleSums
    |                      manual    local_sums.ManualSums (shard_map, pmap)
    |                      typed     typed_sums.TypedSums (unreduced
@@ -128,10 +128,10 @@ falls back.
    |                                under jit)
    |                      ZeRO      zero_sums.ZeroSums (shard_optimizer:
    |                                inner on shards, around the typed or
-   |                                single form's add; or, unreduced
-   |                                gradients for an inner state that came
-   |                                sharded, Flax's optimizer_sharding:
-   |                                sharded_inner.layout_of)
+   |                                single form's add; or ZeRO by Flax:
+   |                                optimizer_sharding Variables at init,
+   |                                an inner state that came sharded at
+   |                                update, zero_sums.sharded_by_inner)
    |  add               layout.add(Incoming): microstep.py (the checks,
    |                    the drops, the lazy-reset add; add_on_device for
    |                    the deferred forms) and window_args.py (the extra
@@ -145,7 +145,7 @@ falls back.
   state.py              AccumulateState, its start and next value
 
 ``sum_layout.py`` holds the Protocol and the tuples that cross module lines
-(``UpdateSettings``, ``Incoming``, ``Cycle``, ``MicroStep``).
+(``UpdateSettings``, ``Start``, ``Incoming``, ``Cycle``, ``MicroStep``).
 ``state_access.py`` reads a state (``find_accumulate_state``,
 ``has_updated``, ``grad_stats``, ``tokens_seen``); ``applying.py`` applies
 its updates (``apply_if_updated``, ``update_and_apply``);
@@ -154,7 +154,7 @@ its updates (``apply_if_updated``, ``update_and_apply``);
 ``saved_state.py`` saves one mid-cycle as it lies (``checkpointable_state``,
 ``restored_state``: each device's partial sum in its own slot of a
 checkpoint, and back). Nothing below
-``update_call.sum_layout_of`` asks which form it is in.
+``update_call.layout_for`` asks which form it is in.
 
 **compiled/**: readers of compiled programs, opt-in and off every hot
 path, all on one parser of compiled HLO text, ``hlo_text``, whose public

@@ -7,18 +7,17 @@ gradients (its *partial sum*), and the partial sums are added over the axis
 once, when the update is made. In the state a partial sum sits behind a
 leading *slot* axis: one slot per device, so that a shard_map whose specs lay
 the slots out over the axis keeps every device's partial sum (a replicated
-spec would keep one and drop the others).
+spec would keep one and drop the others): :func:`slot_sums.init_slots`
+lays them out.
 """
 
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 from jax import lax
-import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from optax_accum._src.accumulate import microstep
+from optax_accum._src.accumulate import slot_sums
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import compat
@@ -30,6 +29,9 @@ class SingleSums(NamedTuple):
   """No data axis: the gradients are whole, the sum one array."""
 
   local: bool = True
+
+  def init(self, inner, params, settings):
+    return sum_layout.whole(inner.init(params), params, settings)
 
   def add(self, incoming: sum_layout.Incoming, state, params, settings):
     grads = microstep.checked_grads(incoming.grads, state.grad_sum,
@@ -50,6 +52,9 @@ class ManualSums(NamedTuple):
   axis_name: readers.AxisName
   local: bool = False
 
+  def init(self, inner, params, settings):
+    return slot_sums.init_slots(inner, params, settings)
+
   def add(self, incoming: sum_layout.Incoming, state, params, settings):
     grads = microstep.checked_grads(incoming.grads, state.grad_sum,
                                     incoming.num_tokens, slot_axis=True,
@@ -66,34 +71,6 @@ class ManualSums(NamedTuple):
 
   def check_emit(self, emit):
     axes.check_same_on_every_device("emit", emit, self.axis_name)
-
-
-def zeros_with_slot(shape: Sequence[int], dtype: Any,
-                    axis_name: readers.AxisName) -> jax.Array:
-  """Zeros for per-device partial sums: ``shape`` behind a leading slot axis.
-
-  Inside shard_map or pmap each device has one slot. Under a mesh
-  (:func:`jax.set_mesh`) with ``axis_name`` the slot axis has one slot per
-  device and is sharded over it, ready for the ``in_specs`` that
-  :func:`optax_accum.state_partition_specs` gives. With neither, one slot:
-  replicate it for pmap.
-  """
-  shape = tuple(shape)
-  slots = (None if axes.is_bound(axis_name)
-           else readers.mesh_axis_size(axis_name))
-  if slots is None:
-    return jnp.zeros((1,) + shape, dtype)
-  spec = P(axis_name)
-  if readers.all_explicit(axis_name):
-    return jnp.zeros((slots,) + shape, dtype, out_sharding=spec)
-  return lax.with_sharding_constraint(jnp.zeros((slots,) + shape, dtype), spec)
-
-
-def slots_sharded_by_type(axis_name: readers.AxisName) -> bool:
-  """Whether :func:`zeros_with_slot` lays slots out over Explicit mesh axes."""
-  return (not axes.is_bound(axis_name)
-          and readers.mesh_axis_size(axis_name) is not None
-          and readers.all_explicit(axis_name))
 
 
 def sum_slots_over(tree: Any, axis_name: readers.AxisName) -> Any:

@@ -215,13 +215,6 @@ def has_no_tokens(num_tokens: Any) -> bool:
       num_tokens, jax.core.Tracer) and float(num_tokens) == 0
 
 
-def sum_dtype(param: Any, accumulator_dtype: Any) -> Any:
-  """The running sum's dtype: complex parameters get a complex sum."""
-  if jnp.iscomplexobj(param):
-    return jnp.result_type(accumulator_dtype, jnp.complex64)
-  return accumulator_dtype
-
-
 def as_inexact(grads: Any, grad_sum: Any) -> Any:
   """Gradients as floating (or complex) arrays, checked against the sum.
 

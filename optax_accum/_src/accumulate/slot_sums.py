@@ -17,10 +17,12 @@ gradient reduce-scattered over those axes each call; its slots span only the
 remaining data axes (:func:`slot_axes`).
 """
 
+from collections.abc import Sequence
 import math
 from typing import Any, NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -58,6 +60,55 @@ def slots_like(param: Any, dtype: Any, axis_name: readers.AxisName) -> Any:
       (slots,) + jnp.shape(param), dtype,
       out_sharding=P(readers.entry(over), *entries),
   )
+
+
+def zeros_with_slot(shape: Sequence[int], dtype: Any,
+                    axis_name: readers.AxisName) -> jax.Array:
+  """Zeros for per-device partial sums: ``shape`` behind a leading slot axis.
+
+  Inside shard_map or pmap each device has one slot. Under a mesh
+  (:func:`jax.set_mesh`) with ``axis_name`` the slot axis has one slot per
+  device and is sharded over it, ready for the ``in_specs`` that
+  :func:`optax_accum.state_partition_specs` gives. With neither, one slot:
+  replicate it for pmap.
+  """
+  shape = tuple(shape)
+  slots = (None if axes.is_bound(axis_name)
+           else readers.mesh_axis_size(axis_name))
+  if slots is None:
+    return jnp.zeros((1,) + shape, dtype)
+  spec = P(axis_name)
+  if readers.all_explicit(axis_name):
+    return jnp.zeros((slots,) + shape, dtype, out_sharding=spec)
+  return lax.with_sharding_constraint(jnp.zeros((slots,) + shape, dtype), spec)
+
+
+def slots_sharded_by_type(axis_name: readers.AxisName) -> bool:
+  """Whether :func:`zeros_with_slot` lays slots out over Explicit mesh axes."""
+  return (not axes.is_bound(axis_name)
+          and readers.mesh_axis_size(axis_name) is not None
+          and readers.all_explicit(axis_name))
+
+
+def init_slots(inner: Any, params: Any,
+               settings: sum_layout.UpdateSettings) -> sum_layout.Start:
+  """The first state with ``axis_name`` (the slots and the manual forms):
+  each running sum this device's partial, behind a leading slot axis, so
+  that no device's partial sum can be dropped (scalars included)."""
+  axis_name = settings.axis_name
+  inner_state = inner.init(params)
+  by_type = slots_sharded_by_type(axis_name)
+
+  def sum_zeros(param, dtype):
+    if by_type:
+      # Under a mesh with Explicit axes: slots sharded like the parameter,
+      # ready for unreduced gradients under jit (and for shard_map).
+      return slots_like(param, dtype, axis_name)
+    return zeros_with_slot(jnp.shape(param), dtype, axis_name)
+
+  return sum_layout.start(
+      inner_state, sum_layout.sums_like(params, settings, sum_zeros),
+      settings, lambda dtype: zeros_with_slot((), dtype, axis_name))
 
 
 def _slot_spec(slots: Any) -> P:
@@ -182,6 +233,9 @@ class SlotSums(NamedTuple):
 
   axis_name: readers.AxisName
   local: bool = False
+
+  def init(self, inner, params, settings):
+    return init_slots(inner, params, settings)
 
   def add(self, incoming: sum_layout.Incoming, state, params, settings):
     microstep.check_partials_settings(incoming.grads, settings)

@@ -11,10 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum._src import validation
-from optax_accum._src.accumulate import local_sums
 from optax_accum._src.accumulate import microstep
-from optax_accum._src.accumulate import slot_sums
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import window_args
 from optax_accum._src.rules import noise_scale
@@ -257,49 +254,21 @@ def next_state(state, micro_step, emit, step: sum_layout.MicroStep,
   )
 
 
-def init_state(inner_state, params, accumulator_dtype, axis_name,
-                with_stats) -> AccumulateState:
-  """The state before the first micro-step."""
-
-  def partial_zeros(shape, dtype):
-    # With an axis, the running sums are this device's partial sums; a
-    # leading slot axis lets shard_map lay them out one slot per device
-    # (scalars included), so that no device's partial sum can be dropped.
-    return local_sums.zeros_with_slot(shape, dtype, axis_name)
-
-  def sum_zeros(param, accumulator_dtype):
-    dtype = microstep.sum_dtype(param, accumulator_dtype)
-    if axis_name is not None and local_sums.slots_sharded_by_type(axis_name):
-      # Under a mesh with Explicit axes: slots sharded like the parameter,
-      # ready for unreduced gradients under jit (and for shard_map).
-      return slot_sums.slots_like(param, dtype, axis_name)
-    if axis_name is None:
-      # Shaped and sharded like the parameter (as optax's zeros_like): all
-      # that unreduced gradients under jit need too (typed_sums).
-      return jnp.zeros_like(param, dtype=dtype)
-    return partial_zeros(jnp.shape(param), dtype)
-
-  def count_zeros(dtype):
-    if axis_name is None:
-      return jnp.zeros([], dtype)
-    return partial_zeros((), dtype)
-
+def first_state(start: sum_layout.Start) -> AccumulateState:
+  """The state before the first micro-step, around a form's ``start``."""
+  cycle = start.cycle
   return AccumulateState(
       micro_step=jnp.zeros([], jnp.int32),
       count=jnp.zeros([], jnp.int32),
-      grad_sum=jax.tree.map(
-          sum_zeros, params,
-          validation.per_leaf_dtypes(accumulator_dtype, params)),
-      token_count=count_zeros(jnp.float32),
-      inner_state=inner_state,
+      grad_sum=cycle.grad_sum,
+      token_count=cycle.token_count,
+      inner_state=start.inner_state,
       emitted=jnp.zeros([], jnp.bool_),
-      nonfinite_count=count_zeros(jnp.int32),
-      skipped_count=count_zeros(jnp.int32),
-      stats_sums=noise_scale.StatsSums(
-          count_zeros(jnp.float32), count_zeros(jnp.float32)
-      ) if with_stats else None,
-      stats=noise_scale.nan_stats() if with_stats else None,
+      nonfinite_count=start.nonfinite_count,
+      skipped_count=start.skipped_count,
+      stats_sums=cycle.stats_sums,
+      stats=None if cycle.stats_sums is None else noise_scale.nan_stats(),
       tokens_seen=jnp.zeros([], jnp.float32),
       tokens_seen_error=jnp.zeros([], jnp.float32),
-      value_sums=window_args.zeros(count_zeros),
+      value_sums=cycle.value_sums,
   )

@@ -2,8 +2,9 @@
 
 Where a cycle's running sum lives, and so how a micro-step is added to it
 and how the emitting branch reduces it, depends on where ``update`` runs and
-on what it is given. ``update_call.sum_layout_of`` decides it once per
-``update`` call and hands on one :class:`SumLayout`; nothing below asks
+on what it is given. ``update_call.layout_for`` decides it, for ``init``
+and once per ``update`` call, and hands on one :class:`SumLayout`, which
+lays the first state out (``init``) and adds to it; nothing below asks
 again. Each form's layout lives beside its own logic:
 
 ======== ============================================ =========================
@@ -17,19 +18,24 @@ typed    under jit, gradients typed unreduced         unreduced like the
          (:mod:`typed_sums`)                          gradient, reduced on emit
 slots    under jit, a state built with ``axis_name``  a slot per device,
          (:mod:`slot_sums`), unreduced gradients      resharded on emit
-ZeRO     under jit, ``shard_optimizer`` given         typed's (ZeRO-1), or in
-         (:mod:`zero_sums`)                           shards (ZeRO-2)
+ZeRO     under jit, ``shard_optimizer`` given, or     typed's (ZeRO-1), or in
+         ``inner``'s state sharded by Flax's          shards (ZeRO-2)
+         ``optimizer_sharding`` (:mod:`zero_sums`)
 ======== ============================================ =========================
 
 The tuples that cross module lines (:class:`UpdateSettings`,
-:class:`Cycle`, :class:`MicroStep`) live here, at the bottom.
+:class:`Start`, :class:`Cycle`, :class:`MicroStep`) live here, at the
+bottom, with the first state's parts that every form shares
+(:func:`start`).
 """
 
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 
+from optax_accum._src import validation
 from optax_accum._src.accumulate import window_args
 from optax_accum._src.mesh import readers
 from optax_accum._src.rules import noise_scale
@@ -44,6 +50,8 @@ class UpdateSettings(NamedTuple):
   should_skip: Callable[[Any, Any, Any], Any] | None
   grad_reduction: Any  # the checked grad_reduction: a prefix of the grads.
   with_stats: bool
+  accumulator_dtype: Any = None  # the checked accumulator_dtype.
+  zero: Any = None  # zero_sums.Zero (shard_optimizer's), or None.
 
 
 class Cycle(NamedTuple):
@@ -53,6 +61,55 @@ class Cycle(NamedTuple):
   token_count: jax.Array  # per device under axis_name.
   stats_sums: noise_scale.StatsSums | None  # None without with_stats.
   value_sums: window_args.ValueSums  # the window's value; per device too.
+
+
+class Start(NamedTuple):
+  """A form's first state: its running sums (zeros) and ``inner``'s state."""
+
+  cycle: Cycle
+  nonfinite_count: jax.Array
+  skipped_count: jax.Array
+  inner_state: Any
+
+
+def scalar_zeros(dtype: Any) -> jax.Array:
+  return jnp.zeros([], dtype)
+
+
+def start(inner_state: Any, grad_sum: Any, settings: UpdateSettings,
+          count_zeros: Callable[[Any], jax.Array] = scalar_zeros) -> Start:
+  """The first state around ``grad_sum``, each count made by
+  ``count_zeros(dtype)`` (a scalar, or per device behind a slot axis)."""
+  stats_sums = noise_scale.StatsSums(
+      count_zeros(jnp.float32), count_zeros(jnp.float32)
+  ) if settings.with_stats else None
+  cycle = Cycle(grad_sum, count_zeros(jnp.float32), stats_sums,
+                window_args.zeros(count_zeros))
+  return Start(cycle, count_zeros(jnp.int32), count_zeros(jnp.int32),
+               inner_state)
+
+
+def sum_dtype(param: Any, accumulator_dtype: Any) -> Any:
+  """The running sum's dtype: complex parameters get a complex sum."""
+  if jnp.iscomplexobj(param):
+    return jnp.result_type(accumulator_dtype, jnp.complex64)
+  return accumulator_dtype
+
+
+def sums_like(params: Any, settings: UpdateSettings,
+              zeros: Callable[[Any, Any], Any]) -> Any:
+  """``zeros(param, dtype)`` for each parameter, in its sum's dtype."""
+  return jax.tree.map(
+      lambda p, d: zeros(p, sum_dtype(p, d)), params,
+      validation.per_leaf_dtypes(settings.accumulator_dtype, params))
+
+
+def whole(inner_state: Any, params: Any, settings: UpdateSettings) -> Start:
+  """The first state of a form whose sums are shaped and sharded like the
+  parameters (as optax's zeros_like): single, typed and ZeRO's."""
+  return start(inner_state, sums_like(
+      params, settings, lambda p, dtype: jnp.zeros_like(p, dtype=dtype)),
+               settings)
 
 
 class MicroStep(NamedTuple):
@@ -80,6 +137,11 @@ class SumLayout(Protocol):
   # Whether the emitting branch reads the sums as they are (no reduction):
   # the emitted updates may then be kept in the sum's buffer (emit.py).
   local: bool
+
+  def init(self, inner: Any, params: Any,
+           settings: UpdateSettings) -> Start:
+    """The first state's sums and ``inner``'s state, laid out for this form
+    (what ``tx.init`` returns around them: ``state.first_state``)."""
 
   def add(self, incoming: Incoming, state: Any, params: Any,
           settings: UpdateSettings) -> MicroStep:

@@ -1,6 +1,8 @@
 """Gradient accumulation, an optax transformation: one micro-batch per call."""
 
 from collections.abc import Callable
+import sys
+import types
 from typing import Any
 
 import jax
@@ -9,13 +11,63 @@ import optax
 from optax_accum._src import flax_nnx
 from optax_accum._src import keyword_names
 from optax_accum._src import validation
-from optax_accum._src.accumulate import placement
-from optax_accum._src.accumulate import sharded_inner
+from optax_accum._src.accumulate import emit as emit_lib
 from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import update_call
 from optax_accum._src.accumulate import zero_sums
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
+
+# The named scope of the emitting branch (oa.check_train_step finds it).
+EMIT_SCOPE = emit_lib.SCOPE
+
+
+def _closure_code(factory, name: str) -> types.CodeType | None:
+  """The code of ``factory``'s inner function ``name`` (None if not found)."""
+  code = getattr(factory, "__code__", None)
+  if code is None:
+    return None
+  for const in code.co_consts:
+    if isinstance(const, types.CodeType) and const.co_name == name:
+      return const
+  return None
+
+
+# The init of each wrapper that may skip its inner's update.
+_SKIPPING_INITS = {
+    "optax.apply_if_finite": _closure_code(optax.apply_if_finite, "init"),
+}
+
+_MESSAGE = (
+    "oa.accumulate inside {wrapper}: the wrapper skips accumulate's update"
+    " on a non-finite gradient and keeps its old state, so the skipped"
+    " micro-batch is not counted and every later update boundary shifts by"
+    " one micro-batch. Drop the bad micro-batch inside accumulate instead:"
+    " oa.accumulate(inner, every_k, skip_nonfinite=True) (the window still"
+    " ends on time, without it), or wrap the inner optimizer:"
+    " oa.accumulate({wrapper}(inner, max_consecutive_errors), every_k) (a"
+    " window whose mean is not finite makes no update)."
+)
+
+
+def _check_not_in_skipping_wrapper() -> None:
+  """Raises if a wrapper that skips updates is initialising us.
+
+  Such a wrapper (``optax.apply_if_finite`` rejecting a non-finite
+  gradient) runs our ``update`` on some calls only and keeps our old state
+  on the others, which loses micro-steps silently: every later window ends
+  one micro-batch late (24 micro-batches meant as 6 updates of 4 become 5
+  updates and 3 micro-steps left over). We cannot see the rejection, so
+  the placement is refused at ``init``, where the wrapper's ``init`` calls
+  ours: the frames above are looked at, nothing else.
+  """
+  codes = {code: name for name, code in _SKIPPING_INITS.items() if code}
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None:
+    wrapper = codes.get(frame.f_code)
+    if wrapper is not None:
+      raise ValueError(_MESSAGE.format(wrapper=wrapper))
+    frame = frame.f_back
 
 
 class AccumulateTransformation(optax.GradientTransformationExtraArgs):
@@ -273,24 +325,17 @@ def accumulate(
 
   settings = sum_layout.UpdateSettings(
       loss_reduction, axis_name, skip_nonfinite, should_skip, grad_reduction,
-      with_stats)
+      with_stats, accumulator_dtype, zero)
 
   def init_fn(params):
-    placement.check_not_in_skipping_wrapper()
+    _check_not_in_skipping_wrapper()
     validation.check_param_leaves(params)
     flax_nnx.check_slots_fit_params(axis_name, params)
     # Raises unless grad_reduction fits the params.
     grad_reduction_lib.rules_per_leaf(grad_reduction, params)
-    if zero is None:
-      state = state_lib.init_state(inner.init(params), params,
-                                   accumulator_dtype, axis_name, with_stats)
-    else:
-      state = zero_sums.init_state(zero, inner, params, accumulator_dtype,
-                                   with_stats)
-    return state._replace(grad_sum=sharded_inner.init_sums(
-        state.grad_sum, params, zero.data_axes if zero else ()))
+    layout = update_call.layout_for(settings, params)
+    return state_lib.first_state(layout.init(inner, params, settings))
 
-  step = update_call.Step(inner, every_k, axis_name, zero, settings,
-                          takes_extra_args, value_fn_over_window,
-                          missing_count)
+  step = update_call.Step(inner, every_k, settings, takes_extra_args,
+                          value_fn_over_window, missing_count)
   return AccumulateTransformation(init_fn, update_call.Update(step))

@@ -173,6 +173,10 @@ class TypedSums(NamedTuple):
 
   local: bool = False
 
+  def init(self, inner, params, settings):
+    # Typed like the parameters; the first unreduced call retypes the sum.
+    return sum_layout.whole(inner.init(params), params, settings)
+
   def add(self, incoming: sum_layout.Incoming, state, params, settings):
     grads = microstep.checked_grads(incoming.grads, state.grad_sum, None)
     microstep.check_partials_settings(grads, settings)

@@ -1,6 +1,7 @@
 """One ``update`` call of :func:`optax_accum.accumulate`, as stages in order.
 
-The form, once (:func:`sum_layout_of`); the micro-step added by its layout;
+The form, once (:func:`layout_for`, which also picks ``init``'s); the
+micro-step added by its layout;
 the emit decision (``every_k`` or the caller's ``emit``); the emitting step
 (:mod:`emit`); the next state. :class:`Update` is the transformation's
 ``update``; ``AccumulateTransformation.update_and_apply`` runs the same
@@ -17,7 +18,6 @@ import optax
 from optax_accum._src import validation
 from optax_accum._src.accumulate import emit as emit_lib
 from optax_accum._src.accumulate import local_sums
-from optax_accum._src.accumulate import sharded_inner
 from optax_accum._src.accumulate import slot_sums
 from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
@@ -66,25 +66,33 @@ def _should_emit(emit, micro_step, length, layout):
   return emit | by_count
 
 
-def sum_layout_of(axis_name: readers.AxisName | None,
-                  zero: zero_sums.Zero | None, updates: Any,
-                  grad_sum: Any, inner_state: Any) -> sum_layout.SumLayout:
-  """The form of one ``update`` call (at trace time): where its sums live.
+def layout_for(settings: sum_layout.UpdateSettings, params: Any,
+               state: Any = None, updates: Any = None) -> sum_layout.SumLayout:
+  """The form: where the running sums live (the one place it is decided).
 
-  The one place the form is decided; ``init`` lays the state out by the
-  same settings (``axis_name``, ``shard_optimizer``, Flax's
-  ``optimizer_sharding``). Unreduced gradients for an ``inner`` state that
+  For ``init`` (``params``; no state nor gradients yet) by the settings
+  (``axis_name``, ``shard_optimizer``) and the ``optimizer_sharding`` of
+  Flax Variables in ``params``; for each ``update`` call (``updates`` and
+  ``state``, at trace time) by the same settings, where the call runs and
+  the gradients' types. Unreduced gradients for an ``inner`` state that
   came sharded over their axes take ZeRO-1 on its shards.
   """
-  typed = typed_sums.is_typed(updates, grad_sum)
+  at_init = state is None
+  typed = not at_init and typed_sums.is_typed(updates, state.grad_sum)
+  zero, axis_name = settings.zero, settings.axis_name
   if zero is not None:
     zero_sums.check_mesh(zero.data_axes)
     base = typed_sums.TypedSums() if typed else local_sums.SingleSums()
     return zero_sums.ZeroSums(zero.data_axes, zero.gradient_sync, base)
   if axis_name is None:
+    if at_init:
+      return zero_sums.sharded_by_flax(params) or local_sums.SingleSums()
     if not typed:
       return local_sums.SingleSums()
-    return (sharded_inner.layout_of(inner_state, updates, grad_sum)
+    # Flax's optimizer_sharding is read off the inner state's shards: no
+    # setting of ours says it (zero_sums.sharded_by_inner).
+    return (zero_sums.sharded_by_inner(state.inner_state, updates,
+                                       state.grad_sum)
             or typed_sums.TypedSums())
   if axes.is_bound(axis_name):
     return local_sums.ManualSums(axis_name)
@@ -159,8 +167,6 @@ class Step(NamedTuple):
 
   inner: optax.GradientTransformationExtraArgs
   every_k: Any
-  axis_name: readers.AxisName | None
-  zero: zero_sums.Zero | None
   settings: sum_layout.UpdateSettings
   takes_extra_args: bool
   value_fn_over_window: bool
@@ -170,12 +176,12 @@ class Step(NamedTuple):
                apply):
     state_lib.check_state(updates, state, params)
     _check_state_mesh(state)
-    _check_manual_axes(updates, params, state.grad_sum, self.axis_name)
+    _check_manual_axes(updates, params, state.grad_sum,
+                       self.settings.axis_name)
     validation.refuse_near_misses(extra_args, ("num_tokens", "emit"))
     if extra_args and not self.takes_extra_args:
       validation.refuse_extra_args("inner", extra_args)
-    layout = sum_layout_of(self.axis_name, self.zero, updates,
-                           state.grad_sum, state.inner_state)
+    layout = layout_for(self.settings, params, state, updates)
     if num_tokens is None:
       tokens = self.missing_count.count()  # warned once the call is checked.
     else:
@@ -186,7 +192,8 @@ class Step(NamedTuple):
     step = layout.add(incoming, state, params, self.settings)
     # The updates are checked against the state first (layout.add), then
     # the params: a mistake in both is named where it starts.
-    _check_params(params, state.grad_sum, self.axis_name is not None)
+    _check_params(params, state.grad_sum,
+                  self.settings.axis_name is not None)
     micro_step = optax.safe_increment(state.micro_step)
     emit = _should_emit(
         emit, micro_step, _cycle_length(self.every_k, state.count), layout)
@@ -198,7 +205,7 @@ class Step(NamedTuple):
       emitted = emit_lib.decide(emit, step.cycle, state, layout, emitter,
                                 output)
     except compat.sharding_type_error() as e:
-      if self.zero is not None:
+      if self.settings.zero is not None:
         zero_sums.note_for_matrices(e)
       raise
     returned, grad_sum = output.returned(emitted, step.cycle.grad_sum)

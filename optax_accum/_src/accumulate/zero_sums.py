@@ -20,16 +20,33 @@ is ``gradient_sync``'s:
 
 Gradients that JAX already reduced (replicated over the data axes) are
 sliced into the shards, which moves nothing.
+
+*ZeRO by Flax.* An ``nnx.Optimizer`` whose Variables carry Flax's
+``optimizer_sharding`` over axes that the parameters are replicated over
+lays ``inner``'s state out in shards over them, with no argument of ours
+(as does ``opt.init`` on resharded parameters in plain optax). Fed
+``gradient_sync="deferred"`` gradients, unreduced over those axes,
+``accumulate`` runs ZeRO-1 on those shards (:func:`sharded_by_inner`): the
+running sum is each device's partial, whole, and the emitting branch
+reduce-scatters it straight into the shards of ``inner``'s state (one
+reduce-scatter per sharded leaf and update, no gradient-sized all-reduce);
+the updates are gathered back to the parameters' layout
+(``emit._laid_out_like``). ``tx.init`` lays the sums of such a tree out as
+every update call leaves them (:func:`unreduced_where_flax_shards`), so
+that the state's type is the same before and after a call (one trace of
+the step); Flax would otherwise shard them as the Variables say, and the
+first call would change their layout.
 """
 
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import flax_nnx
 from optax_accum._src import validation
 from optax_accum._src.accumulate import microstep
-from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import typed_sums
 from optax_accum._src.mesh import collectives
@@ -94,29 +111,17 @@ def check_mesh(data_axes: tuple[str, ...]) -> None:
         f" {dict(zip(mesh.axis_names, mesh.axis_types)) or 'no mesh'}).")
 
 
-def init_state(settings: Zero, inner: Any, params: Any,
-               accumulator_dtype: Any, with_stats: bool) -> Any:
-  """``accumulate``'s first state: ``inner``'s state in shards, the running
-  sums whole like the parameters (ZeRO-1) or in shards (ZeRO-2)."""
-  check_mesh(settings.data_axes)
-  state = state_lib.init_state(
-      inner.init(sharded(params, settings.data_axes)), params,
-      accumulator_dtype, None, with_stats)
-  if settings.gradient_sync == EVERY_MICROBATCH:
-    state = state._replace(
-        grad_sum=sharded(state.grad_sum, settings.data_axes))
-  return state
-
-
 class ZeroSums(NamedTuple):
   """Under jit, the optimizer (and with ZeRO-2 the sum) on shards.
 
   ``base`` is the layout the gradients come in by (the typed form's for
   unreduced gradients, the single form's for reduced ones, which a sharded
   sum takes its slice of); ZeRO-2 scatters unreduced ones itself.
-  ``shards``, a tree of specs like the sums, lays out the shards: those of
-  an ``inner`` state that came sharded (:mod:`sharded_inner`), or where
-  None those :func:`zero.zero_specs` gives.
+  With ``by_inner``, ``inner``'s state comes in shards laid out by its
+  caller (Flax's ``optimizer_sharding``), and ``shards``, a tree of specs
+  like the sums read off that state at update, lays out the shards; else
+  (``shard_optimizer``) ``init`` shards it, as :func:`zero.zero_specs`
+  says.
   """
 
   data_axes: tuple[str, ...]
@@ -124,6 +129,21 @@ class ZeroSums(NamedTuple):
   base: Any  # typed_sums.TypedSums or local_sums.SingleSums.
   local: bool = False
   shards: Any = None
+  by_inner: bool = False
+
+  def init(self, inner, params, settings):
+    """``inner``'s state in shards, the running sums whole like the
+    parameters (ZeRO-1) or in shards (ZeRO-2)."""
+    # By Flax, its Variables lay inner's state out in shards themselves.
+    start = sum_layout.whole(inner.init(
+        params if self.by_inner else sharded(params, self.data_axes)),
+                             params, settings)
+    grad_sum = start.cycle.grad_sum
+    if self.gradient_sync == EVERY_MICROBATCH:
+      grad_sum = sharded(grad_sum, self.data_axes)
+    grad_sum = unreduced_where_flax_shards(
+        grad_sum, params, () if self.by_inner else self.data_axes)
+    return start._replace(cycle=start.cycle._replace(grad_sum=grad_sum))
 
   def add(self, incoming: sum_layout.Incoming, state, params, settings):
     if self.gradient_sync == ONCE or self.base.local:
@@ -185,3 +205,100 @@ def note_for_matrices(e: Exception) -> None:
       " parallelism), or shard the model's parameters instead (FSDP:"
       " docs/distributed.md).")
 
+
+def _zero_axes(params: Any) -> frozenset[str]:
+  """The Explicit mesh axes that some Variable's ``optimizer_sharding``
+  shards the state over while its parameter is not sharded over them."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return frozenset()
+  values = jax.tree.leaves(flax_nnx.unwrap_variables(params))
+  named = {a for axes, value in zip(flax_nnx.optimizer_sharding_axes(params),
+                                    values)
+           for a in axes if a not in readers.spec_names(
+               readers.plain_spec(value))}
+  return frozenset(a for a in named if a in mesh.axis_names
+                   and readers.are_explicit(mesh, (a,)))
+
+
+def unreduced_where_flax_shards(
+    grad_sum: Any, params: Any, shard_optimizer: tuple[str, ...] = ()) -> Any:
+  """The first running sums: unreduced over ZeRO's axes where Variables of
+  ``params`` carry an ``optimizer_sharding`` over them (with those of
+  ``shard_optimizer``), else ``grad_sum``.
+
+  Each leaf is handed back as a plain array, which ``nnx.Optimizer`` keeps
+  as it is (a Variable would be resharded to its ``optimizer_sharding``). A
+  leaf already sharded over the axes (ZeRO-2's) stays so.
+  """
+  data_axes = _zero_axes(params)
+  if not data_axes:
+    return grad_sum
+  data_axes |= set(shard_optimizer)
+
+  def unreduced(s):
+    over = data_axes - set(readers.spec_names(readers.plain_spec(s)))
+    if not over:
+      return s
+    return jax.sharding.reshard(
+        s, P(*readers.partitions(readers.full_spec(s)), unreduced=over))
+
+  return jax.tree.map(unreduced, flax_nnx.unwrap_variables(grad_sum))
+
+
+def _shaped_like(tree: Any, structure: Any, shapes: list[Any]) -> bool:
+  return (jax.tree.structure(tree) == structure
+          and [jnp.shape(x) for x in jax.tree.leaves(tree)] == shapes)
+
+
+def _shard_of(leaf: int, over: frozenset[str],
+              like_sums: list[list[Any]]) -> P | None:
+  """The spec of the first state leaf shaped like sum ``leaf`` that shards
+  it over some of ``over``, the axes the sum is unreduced over."""
+  for leaves in like_sums:
+    spec = readers.plain_spec(leaves[leaf])
+    if set(readers.spec_names(spec)) & over:
+      return spec
+  return None
+
+
+def sharded_by_flax(params: Any) -> "ZeroSums | None":
+  """At ``init``: ZeRO-1 by Flax, where ``params``' Variables carry an
+  ``optimizer_sharding`` over Explicit axes that do not shard them."""
+  data_axes = _zero_axes(params)
+  if not data_axes:
+    return None
+  return ZeroSums(tuple(sorted(data_axes)), ONCE, typed_sums.TypedSums(),
+                  by_inner=True)
+
+
+def sharded_by_inner(inner_state: Any, updates: Any,
+                     grad_sum: Any) -> "ZeroSums | None":
+  """At ``update``: ZeRO-1 on ``inner_state``'s shards, where some state
+  leaf shaped like the sums (adam's moments) shards one over axes its sum
+  or gradient is unreduced over; None where none does.
+
+  Read off the state, not our settings: Flax's ``optimizer_sharding`` lays
+  ``inner``'s state out in its caller's hands, after ``accumulate`` was
+  made, and the state carries no mark of it but its shards."""
+  overs = [readers.unreduced_axes(g) | readers.unreduced_axes(s)
+           for g, s in zip(jax.tree.leaves(updates),
+                           jax.tree.leaves(grad_sum))]
+  if not any(overs):
+    return None
+  structure = jax.tree.structure(grad_sum)
+  shapes = [jnp.shape(s) for s in jax.tree.leaves(grad_sum)]
+  is_like = lambda t: _shaped_like(t, structure, shapes)
+  like_sums = [jax.tree.leaves(t)
+               for t in jax.tree.leaves(inner_state, is_leaf=is_like)
+               if is_like(t)]
+  shards = [_shard_of(i, over, like_sums) for i, over in enumerate(overs)]
+  if all(spec is None for spec in shards):
+    return None
+  data_axes = tuple(sorted({a for spec, over in zip(shards, overs)
+                            if spec is not None
+                            for a in readers.spec_names(spec) if a in over}))
+  specs = [readers.plain_spec(s) if spec is None else spec
+           for s, spec in zip(jax.tree.leaves(grad_sum), shards)]
+  return ZeroSums(data_axes, ONCE, typed_sums.TypedSums(),
+                  shards=jax.tree.unflatten(structure, specs), by_inner=True)

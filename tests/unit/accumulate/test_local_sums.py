@@ -19,6 +19,7 @@ from accumulate_parts import N
 import helpers
 import optax_accum as oa
 from optax_accum._src.accumulate import local_sums
+from optax_accum._src.accumulate import slot_sums
 from optax_accum._src.accumulate import sum_layout
 
 SETTINGS = accumulate_parts.SETTINGS
@@ -143,18 +144,18 @@ def test_manual_sums_refuse_an_emit_that_varies_over_the_axis():
 
 
 def test_zeros_with_slot_has_a_slot_per_device_where_a_mesh_says_how_many():
-  assert local_sums.zeros_with_slot((2,), jnp.float32, "data").shape == (1, 2)
+  assert slot_sums.zeros_with_slot((2,), jnp.float32, "data").shape == (1, 2)
   with jax.set_mesh(_mesh()):
-    slots = local_sums.zeros_with_slot((2,), jnp.float32, "data")
+    slots = slot_sums.zeros_with_slot((2,), jnp.float32, "data")
     assert _sharded_over_slots(jax.typeof(slots).sharding.spec)
   assert slots.shape == (N, 2)
   with jax.set_mesh(_mesh(AxisType.Auto)):
-    slots = local_sums.zeros_with_slot((2,), jnp.bfloat16, "data")
+    slots = slot_sums.zeros_with_slot((2,), jnp.bfloat16, "data")
   assert slots.shape == (N, 2) and slots.dtype == jnp.bfloat16
   assert _sharded_over_slots(slots.sharding.spec)
 
   def inside(x):
-    slot = local_sums.zeros_with_slot((2,), jnp.float32, "data")
+    slot = slot_sums.zeros_with_slot((2,), jnp.float32, "data")
     assert slot.shape == (1, 2)
     return x
 
@@ -162,15 +163,15 @@ def test_zeros_with_slot_has_a_slot_per_device_where_a_mesh_says_how_many():
 
 
 def test_slots_are_sharded_by_type_only_under_an_explicit_mesh():
-  assert not local_sums.slots_sharded_by_type("data")
+  assert not slot_sums.slots_sharded_by_type("data")
   with jax.set_mesh(_mesh()):
-    assert local_sums.slots_sharded_by_type("data")
-    assert not local_sums.slots_sharded_by_type("model")  # not in the mesh.
+    assert slot_sums.slots_sharded_by_type("data")
+    assert not slot_sums.slots_sharded_by_type("model")  # not in the mesh.
   with jax.set_mesh(_mesh(AxisType.Auto)):
-    assert not local_sums.slots_sharded_by_type("data")
+    assert not slot_sums.slots_sharded_by_type("data")
 
   def inside(x):
-    assert not local_sums.slots_sharded_by_type("data")  # bound: one slot.
+    assert not slot_sums.slots_sharded_by_type("data")  # bound: one slot.
     return x
 
   _per_device(inside, (P("data"),), P("data"))(jnp.ones(N))

@@ -18,6 +18,7 @@ from accumulate_parts import N
 import helpers
 import optax_accum as oa
 from optax_accum._src.accumulate import microstep
+from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.rules import token_weighting
 
 SETTINGS = accumulate_parts.SETTINGS
@@ -190,8 +191,8 @@ def test_as_inexact_keeps_floats_casts_integers_and_refuses_complex():
 
 
 def test_sum_dtype_is_complex_for_complex_parameters():
-  assert microstep.sum_dtype(jnp.zeros(2), jnp.float32) == jnp.float32
-  assert microstep.sum_dtype(jnp.zeros(2, jnp.complex64),
+  assert sum_layout.sum_dtype(jnp.zeros(2), jnp.float32) == jnp.float32
+  assert sum_layout.sum_dtype(jnp.zeros(2, jnp.complex64),
                              jnp.float32) == jnp.complex64
 
 

@@ -3,7 +3,8 @@
 A missing attribute points from other trainers' names to ours;
 ``tx.update`` changes nothing it is given, and the state a call returns
 remembers the updates returned with it. Where the state's fields start
-(``init_state``) and what an emitting call leaves in them (``next_state``).
+(``first_state``, around a form's ``init``) and what an emitting call
+leaves in them (``next_state``).
 """
 
 import copy
@@ -15,8 +16,10 @@ import numpy as np
 import optax
 import pytest
 
+import accumulate_parts
 import helpers
 import optax_accum as oa
+from optax_accum._src.accumulate import local_sums
 from optax_accum._src.accumulate import outputs
 from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
@@ -127,17 +130,23 @@ def test_update_and_apply_remembers_no_updates():
   assert "returned" not in state.__dict__
 
 
-def test_init_state_lays_out_the_counts_by_axis_name():
+def _first_state(layout, params, **settings):
+  settings = accumulate_parts.SETTINGS._replace(**settings)
+  return state_lib.first_state(layout.init(optax.identity(), params,
+                                           settings))
+
+
+def test_each_form_lays_out_the_counts_by_axis_name():
   params = {"w": jnp.zeros((2, 3)), "c": jnp.zeros(2, jnp.complex64)}
-  plain = state_lib.init_state((), params, {"w": jnp.bfloat16, "c": None},
-                               None, with_stats=True)
+  plain = _first_state(local_sums.SingleSums(), params, with_stats=True,
+                       accumulator_dtype={"w": jnp.bfloat16, "c": None})
   assert plain.token_count.shape == plain.nonfinite_count.shape == ()
   assert plain.grad_sum["w"].dtype == jnp.bfloat16
   assert plain.grad_sum["c"].dtype == jnp.complex64
   assert plain.stats_sums is not None and plain.stats is not None
   # Outside a mesh, axis_name gives one slot (replicated for pmap).
-  slotted = state_lib.init_state((), params, jnp.float32, "data",
-                                 with_stats=False)
+  slotted = _first_state(local_sums.ManualSums("data"), params,
+                         accumulator_dtype=jnp.float32, axis_name="data")
   assert slotted.grad_sum["w"].shape == (1, 2, 3)
   assert slotted.token_count.shape == slotted.skipped_count.shape == (1,)
   assert slotted.stats_sums is None and slotted.stats is None

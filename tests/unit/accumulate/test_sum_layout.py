@@ -1,7 +1,8 @@
 """``sum_layout``: one interface for every form, one implementation per form.
 
 Two seams, each chosen once: where the running sum lives (the
-:class:`sum_layout.SumLayout` that ``update_call.sum_layout_of`` picks) and
+:class:`sum_layout.SumLayout` that ``update_call.layout_for`` picks, for
+``init`` and for each call) and
 what the emitting step hands back (the :class:`outputs.Output` that
 ``emit.output_for`` picks). Each implementation has the whole Protocol;
 below the choice nothing asks which one it got; and every form's emitted
@@ -27,6 +28,7 @@ from optax_accum._src.accumulate import emit
 from optax_accum._src.accumulate import local_sums
 from optax_accum._src.accumulate import outputs
 from optax_accum._src.accumulate import slot_sums
+from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import transform
 from optax_accum._src.accumulate import typed_sums
@@ -79,6 +81,9 @@ def test_the_conformance_check_sees_a_missing_or_renamed_member():
   class Partial(NamedTuple):
     local: bool = True
 
+    def init(self, inner, params, settings):
+      del inner, params, settings
+
     def add(self, grads, state, params, settings):
       del grads, state, params, settings
 
@@ -87,8 +92,8 @@ def test_the_conformance_check_sees_a_missing_or_renamed_member():
       return cycle
 
   assert _missing(Partial, sum_layout.SumLayout) == ["add()", "check_emit"]
-  assert _members(sum_layout.SumLayout) == {"local", "add", "reduced",
-                                            "check_emit"}
+  assert _members(sum_layout.SumLayout) == {"local", "init", "add",
+                                            "reduced", "check_emit"}
 
 
 def test_only_the_single_form_reads_its_sums_as_they_are():
@@ -110,28 +115,31 @@ def _code(module) -> str:
 
 
 def _source_below_the_choice() -> dict[str, str]:
-  """The code that runs below ``sum_layout_of``: the step of one call
-  without ``sum_layout_of`` itself, the emitting step, its outputs and the
-  factory (their imports left out)."""
-  decider = inspect.getsource(update_call.sum_layout_of)
+  """The code that runs below ``layout_for``: the step of one call
+  without ``layout_for`` itself, the emitting step, its outputs, the first
+  state and the factory (their imports left out)."""
+  decider = inspect.getsource(update_call.layout_for)
   step = _code(update_call)
   assert decider in step
   return {"update_call": step.replace(decider, ""), "emit": _code(emit),
-          "outputs": _code(outputs), "transform": _code(transform)}
+          "outputs": _code(outputs), "transform": _code(transform),
+          "state": _code(state_lib)}
 
 
-def test_below_sum_layout_of_nothing_asks_which_form_it_is_in():
+def test_below_layout_for_nothing_asks_which_form_it_is_in():
   for module, source in _source_below_the_choice().items():
     for word in FORM_WORDS:
       assert word not in source, (module, word)
-  # The form is decided once a call: one call of sum_layout_of, in the step.
-  assert inspect.getsource(update_call).count("sum_layout_of(") == 2
-  assert "sum_layout_of" not in _code(transform) + _code(emit)
+  # The form is decided once a call: one call of layout_for in the step,
+  # and one in init, which lays the state out by the layout it picks.
+  assert inspect.getsource(update_call).count("layout_for(") == 2
+  assert _code(transform).count("layout_for(") == 1
+  assert "layout_for" not in _code(emit) + _code(state_lib)
 
 
 def test_the_scan_for_form_names_finds_them_where_the_form_is_decided():
   """Negative control: the words the scan looks for are in the decider."""
-  decider = inspect.getsource(update_call.sum_layout_of)
+  decider = inspect.getsource(update_call.layout_for)
   assert [w for w in FORM_WORDS[:5] if w in decider] == [
       "SingleSums", "ManualSums", "TypedSums", "SlotSums", "ZeroSums"]
 

@@ -1,10 +1,13 @@
 """``update_call``: one ``update`` call, its form decided once.
 
-``sum_layout_of`` is the one place the form is decided, from the settings
-(``axis_name``, ``shard_optimizer``) and where the call runs with what
-types; the emit decision is the ``every_k`` rule OR the caller's ``emit``,
-which can end a cycle early but never hold one open.
+``layout_for`` is the one place the form is decided, for ``init`` and
+for each call, from the settings (``axis_name``, ``shard_optimizer``) and
+where the call runs with what types; the emit decision is the ``every_k``
+rule OR the caller's ``emit``, which can end a cycle early but never hold
+one open.
 """
+
+import types
 
 import jax
 import jax.numpy as jnp
@@ -27,47 +30,66 @@ WHOLE = {"w": jnp.zeros(2)}
 ZERO1 = zero_sums.Zero(("data",), zero_sums.ONCE)
 
 
+def _decide(axis_name, zero, updates, grad_sum, inner_state):
+  """The form of an update call of these gradients on such a state."""
+  settings = accumulate_parts.SETTINGS._replace(axis_name=axis_name,
+                                                zero=zero)
+  state = types.SimpleNamespace(grad_sum=grad_sum, inner_state=inner_state)
+  return update_call.layout_for(settings, None, state, updates)
+
+
 def _unreduced():
   return {"w": accumulate_parts.unreduced_from_slots(
       jax.device_put(np.ones((N, 2), np.float32), P("data")))}
 
 
 def test_without_a_mesh_the_form_is_single():
-  assert update_call.sum_layout_of(None, None, WHOLE, WHOLE, ()) == (
+  assert _decide(None, None, WHOLE, WHOLE, ()) == (
       local_sums.SingleSums())
   with pytest.raises(ValueError, match=r"shard_optimizer=\('data',\)"):
-    update_call.sum_layout_of(None, ZERO1, WHOLE, WHOLE, ())
+    _decide(None, ZERO1, WHOLE, WHOLE, ())
 
 
 @accumulate_parts.needs_unreduced_types
 def test_under_jit_the_types_and_the_settings_decide():
   with jax.set_mesh(accumulate_parts.explicit_mesh()):
     partials = _unreduced()
-    decide = update_call.sum_layout_of
-    assert decide(None, None, partials, WHOLE, ()) == typed_sums.TypedSums()
-    assert decide(None, None, WHOLE, partials, ()) == typed_sums.TypedSums()
-    assert decide(None, None, WHOLE, WHOLE, ()) == local_sums.SingleSums()
-    assert decide("data", None, partials, WHOLE, ()) == slot_sums.SlotSums(
+    assert _decide(None, None, partials, WHOLE, ()) == typed_sums.TypedSums()
+    assert _decide(None, None, WHOLE, partials, ()) == typed_sums.TypedSums()
+    assert _decide(None, None, WHOLE, WHOLE, ()) == local_sums.SingleSums()
+    assert _decide("data", None, partials, WHOLE, ()) == slot_sums.SlotSums(
         "data")
-    assert decide(None, ZERO1, partials, WHOLE, ()) == zero_sums.ZeroSums(
+    assert _decide(None, ZERO1, partials, WHOLE, ()) == zero_sums.ZeroSums(
         ("data",), zero_sums.ONCE, typed_sums.TypedSums())
-    assert decide(None, ZERO1, WHOLE, WHOLE, ()) == zero_sums.ZeroSums(
+    assert _decide(None, ZERO1, WHOLE, WHOLE, ()) == zero_sums.ZeroSums(
         ("data",), zero_sums.ONCE, local_sums.SingleSums())
     # An inner state sharded over the gradients' unreduced axes (Flax's
     # optimizer_sharding): ZeRO-1 on its shards.
     rows = {"w": accumulate_parts.unreduced_from_slots(
         jax.device_put(np.ones((N, N), np.float32), P("data")))}
     moments = {"w": jax.device_put(jnp.zeros(N), P("data"))}
-    assert decide(None, None, rows, rows, moments) == (
+    assert _decide(None, None, rows, rows, moments) == (
         zero_sums.ZeroSums(("data",), zero_sums.ONCE, typed_sums.TypedSums(),
-                           shards={"w": P("data")}))
+                           shards={"w": P("data")}, by_inner=True))
+
+
+def test_init_lays_out_the_form_the_same_chooser_picks():
+  """``init`` asks the chooser too: without gradients, by the settings (the
+  typed form starts as the single one does)."""
+  settings = accumulate_parts.SETTINGS
+  assert update_call.layout_for(settings, WHOLE) == local_sums.SingleSums()
+  assert update_call.layout_for(settings._replace(axis_name="data"),
+                                WHOLE) == slot_sums.SlotSums("data")
+  with jax.set_mesh(accumulate_parts.explicit_mesh()):
+    assert update_call.layout_for(settings._replace(zero=ZERO1), WHOLE) == (
+        zero_sums.ZeroSums(("data",), zero_sums.ONCE, local_sums.SingleSums()))
 
 
 def test_inside_shard_map_the_form_is_manual():
   layouts = []
 
   def per_device(x):
-    layouts.append(update_call.sum_layout_of("data", None, WHOLE, WHOLE, ()))
+    layouts.append(_decide("data", None, WHOLE, WHOLE, ()))
     return x
 
   mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))

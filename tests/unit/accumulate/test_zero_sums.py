@@ -18,6 +18,7 @@ import accumulate_parts
 from accumulate_parts import N
 import helpers
 from optax_accum._src.accumulate import local_sums
+from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import typed_sums
 from optax_accum._src.accumulate import zero_sums
@@ -35,6 +36,12 @@ def _check(shard_optimizer="data", gradient_sync=ONCE, axis_name=None,
            with_stats=False, grad_reduction=None):
   return zero_sums.check(shard_optimizer, gradient_sync, axis_name,
                          with_stats, grad_reduction)
+
+
+def _init(sync, inner, params):
+  """``tx.init``'s state with ``shard_optimizer="data"``."""
+  layout = zero_sums.ZeroSums(("data",), sync, local_sums.SingleSums())
+  return state_lib.first_state(layout.init(inner, params, SETTINGS))
 
 
 def _params():
@@ -96,10 +103,9 @@ def test_check_mesh_names_a_missing_mesh_or_axis():
 
 
 @pytest.mark.parametrize("sync", [ONCE, EVERY])
-def test_init_state_shards_the_inner_state_and_with_zero2_the_sum(sync):
+def test_init_shards_the_inner_state_and_with_zero2_the_sum(sync):
   with jax.set_mesh(accumulate_parts.explicit_mesh()):
-    state = zero_sums.init_state(_check(gradient_sync=sync),
-                                 optax.adam(0.1), _params(), None, False)
+    state = _init(sync, optax.adam(0.1), _params())
   mu = state.inner_state[0].mu
   assert _spec(mu["w"]) == ("data",) and _spec(mu["odd"]) == ()
   assert _spec(state.grad_sum["w"]) == (("data",) if sync == EVERY else ())
@@ -141,8 +147,7 @@ def test_zero2_scatters_each_calls_partials_into_the_sharded_sum(
     return jax.tree.map(typed_sums.reduce_sum, step.cycle.grad_sum)
 
   with jax.set_mesh(accumulate_parts.explicit_mesh()):
-    state = zero_sums.init_state(_check(gradient_sync=EVERY),
-                                 optax.sgd(1.0), _params(), None, False)
+    state = _init(EVERY, optax.sgd(1.0), _params())
     state = state._replace(
         micro_step=jnp.int32(0 if cycle_start else 1),
         grad_sum=zero_sums.sharded(stored, ("data",)))
@@ -162,8 +167,7 @@ def test_zero_sums_leave_reduced_gradients_to_the_single_form():
   for sync in (ONCE, EVERY):
     layout = zero_sums.ZeroSums(("data",), sync, local_sums.SingleSums())
     with jax.set_mesh(accumulate_parts.explicit_mesh()):
-      state = zero_sums.init_state(_check(gradient_sync=sync),
-                                   optax.sgd(1.0), params, None, False)
+      state = _init(sync, optax.sgd(1.0), params)
       step = jax.jit(lambda s, g, layout=layout: layout.add(
           incoming._replace(grads=g), s, None, SETTINGS))(state, grads)
     helpers.assert_trees_equal(step.cycle.grad_sum,

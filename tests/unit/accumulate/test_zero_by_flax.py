@@ -1,10 +1,11 @@
-"""``sharded_inner``: ZeRO-1 read off an ``inner`` state that came sharded.
+"""ZeRO by Flax: ZeRO-1 on an ``inner`` state that came sharded.
 
-The layout is found where a state leaf shaped like the sums (adam's moments)
-shards one over the axes its gradient is unreduced over, with that leaf's
-spec as the shard (not ``zero_specs``'); nothing is found without unreduced
-types or sharded state. ``init_sums`` lays out the sums of Flax Variables
-carrying ``optimizer_sharding`` unreduced, as an update leaves them.
+At update, the layout is found where a state leaf shaped like the sums
+(adam's moments) shards one over the axes its gradient is unreduced over,
+with that leaf's spec as the shard (not ``zero_specs``'); nothing is found
+without unreduced types or sharded state. At init, Flax Variables carrying
+``optimizer_sharding`` pick it, and their sums are laid out unreduced, as an
+update leaves them.
 """
 
 from flax import nnx
@@ -17,9 +18,10 @@ import optax
 import accumulate_parts
 from accumulate_parts import N
 import helpers
-from optax_accum._src.accumulate import sharded_inner
+from optax_accum._src.accumulate import local_sums
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import typed_sums
+from optax_accum._src.accumulate import update_call
 from optax_accum._src.accumulate import zero_sums
 
 pytestmark = accumulate_parts.needs_unreduced_types
@@ -47,10 +49,10 @@ def test_the_moments_shards_are_the_emits_targets():
     # w's moments are sharded on their second dimension: zero_specs would
     # pick the first, which 8 does not divide.
     state = _adam_state({"w": P(None, "data"), "odd": P()})
-    layout = sharded_inner.layout_of(state, partials, partials)
+    layout = zero_sums.sharded_by_inner(state, partials, partials)
     assert layout == zero_sums.ZeroSums(
         ("data",), zero_sums.ONCE, typed_sums.TypedSums(),
-        shards={"w": P(None, "data"), "odd": P(None)})
+        shards={"w": P(None, "data"), "odd": P(None)}, by_inner=True)
     cycle = sum_layout.Cycle(partials, jnp.float32(1.0), None, None)
     reduced = jax.jit(layout.reduced, static_argnums=1)(cycle, None)
     assert jax.typeof(reduced.grad_sum["w"]).sharding.spec == P(None, "data")
@@ -66,9 +68,9 @@ def test_nothing_is_found_without_sharded_state_or_unreduced_types():
                                           "odd": jnp.zeros(3)})
     replicated = _adam_state({"w": P(), "odd": P()})
     sharded = _adam_state({"w": P(None, "data"), "odd": P()})
-    assert sharded_inner.layout_of(replicated, partials, partials) is None
-    assert sharded_inner.layout_of(sharded, whole, whole) is None
-    assert sharded_inner.layout_of((), partials, partials) is None
+    assert zero_sums.sharded_by_inner(replicated, partials, partials) is None
+    assert zero_sums.sharded_by_inner(sharded, whole, whole) is None
+    assert zero_sums.sharded_by_inner((), partials, partials) is None
 
 
 def test_init_sums_of_optimizer_sharding_variables_are_unreduced():
@@ -76,10 +78,27 @@ def test_init_sums_of_optimizer_sharding_variables_are_unreduced():
     params = nnx.State({
         "w": nnx.Param(jnp.ones((N, 2)), optimizer_sharding=P("data", None)),
         "odd": nnx.Param(jnp.ones(3))})
-    sums = sharded_inner.init_sums(jax.tree.map(jnp.zeros_like, params),
-                                   params)
+    sums = zero_sums.unreduced_where_flax_shards(
+        jax.tree.map(jnp.zeros_like, params), params)
     plain = {"w": jnp.zeros((N, 2))}
-    assert sharded_inner.init_sums(plain, plain) is plain
+    assert zero_sums.unreduced_where_flax_shards(plain, plain) is plain
   assert {k: str(jax.typeof(v)) for k, v in sums.items()} == {
       "w": "float32[8,2]{U:data}", "odd": "float32[3]{U:data}"}
   assert not any(isinstance(v, nnx.Variable) for v in sums.values())
+
+
+def test_init_picks_zero_by_flax_and_lays_its_sums_out_unreduced():
+  """The chooser's ``init`` form for such Variables: ZeRO-1 on the shards
+  Flax lays out (``inner`` initialised on the parameters as they are)."""
+  settings = accumulate_parts.SETTINGS
+  with jax.set_mesh(accumulate_parts.explicit_mesh()):
+    params = nnx.State({
+        "w": nnx.Param(jnp.ones((N, 2)), optimizer_sharding=P("data", None)),
+        "odd": nnx.Param(jnp.ones(3))})
+    layout = update_call.layout_for(settings, params)
+    assert layout == zero_sums.ZeroSums(("data",), zero_sums.ONCE,
+                                        typed_sums.TypedSums(), by_inner=True)
+    start = layout.init(optax.sgd(1.0), params, settings)
+    assert update_call.layout_for(settings, {"w": jnp.ones(2)}) == (
+        local_sums.SingleSums())
+  assert str(jax.typeof(start.cycle.grad_sum["w"])) == "float32[8,2]{U:data}"
