@@ -11,15 +11,11 @@ import optax
 from optax_accum._src import flax_nnx
 from optax_accum._src import keyword_names
 from optax_accum._src import validation
-from optax_accum._src.accumulate import emit as emit_lib
 from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import update_call
 from optax_accum._src.accumulate import zero_sums
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
-
-# The named scope of the emitting branch (oa.check_train_step finds it).
-EMIT_SCOPE = emit_lib.SCOPE
 
 
 def _closure_code(factory, name: str) -> types.CodeType | None:
