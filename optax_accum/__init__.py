@@ -83,6 +83,7 @@ __version__ = "0.1.0"
 __all__ = (
     "AccumulateState",
     "AccumulateTransformation",
+    "AccumulatingOptimizer",
     "CollectiveCounts",
     "GradStats",
     "KInvarianceReport",
@@ -117,3 +118,12 @@ __all__ = (
     "value_and_grad",
     "zero_specs",
 )
+
+
+def __getattr__(name):
+  """``AccumulatingOptimizer`` (an ``nnx.Optimizer``), imported on first use:
+  optax_accum needs flax for it only."""
+  if name == "AccumulatingOptimizer":
+    from optax_accum._src import nnx_optimizer
+    return nnx_optimizer.AccumulatingOptimizer
+  raise AttributeError(f"module 'optax_accum' has no attribute {name!r}")

@@ -9,6 +9,8 @@ back up):
 
   planner/   proving/         plan_microbatches; proving a user's own
                               step (check_k_invariance)
+  nnx_optimizer.py            AccumulatingOptimizer, an nnx.Optimizer
+                              around accumulate (flax imported on use)
   microbatch/   accumulate/   the two entry-point families (neither
                               imports the other)
   rules/   compiled/          the arithmetic both families share; the

@@ -124,10 +124,10 @@ def test_every_example_folder_has_a_gallery_page(readme):
 
 # Lines that a page's blocks print, in order, as their comments say.
 PRINTED = {
-    # NNX (a micro-step, then the update), oa.apply_if_updated (2 updates),
-    # then the checkpoint restored mid-cycle (micro_step 1), and a sharded
-    # one, restored under the mesh with its sharding.
-    "docs/flax.md": ["1 0 True", "4", "2", "1", "P(None, 'model') 1"],
+    # NNX (a micro-step, then the update), oa.AccumulatingOptimizer (one
+    # update, one step), then the checkpoint restored mid-cycle (micro_step
+    # 1), and a sharded one, restored under the mesh with its sharding.
+    "docs/flax.md": ["1 0 True", "4", "1 1", "1", "P(None, 'model') 1"],
     "docs/per_leaf_rules.md": ["23.0", "11.0"],
     # The fallback leaves of nnx.Linear and nnx.LayerNorm, then none.
     "docs/reduced_leaves.md": ["4 4", "()"],

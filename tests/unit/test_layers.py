@@ -32,6 +32,7 @@ FLOORS = {
     "accumulate": 4,
     "planner": 5,
     "proving": 5,
+    "nnx_optimizer": 5,  # flax's optimizer around accumulate.
 }
 
 
