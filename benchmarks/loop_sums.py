@@ -11,7 +11,7 @@ a micro-step touches 8 B per parameter (the sum read and written); apart,
 import math
 import re
 
-from optax_accum._src.tools import hlo_text
+from optax_accum._src.compiled import hlo_text
 
 _BODY = re.compile(r"\bbody=%?([^\s,)]+)")
 _CALLS = re.compile(r"\bcalls=%?([^\s,)]+)")
@@ -26,12 +26,12 @@ _MIN_SUM_BYTES = 4096  # smaller carries are counters and scalar sums.
 
 
 def _instructions(computation):
-  return {hlo_text._name(line): (opcode, rest, line)
+  return {hlo_text.instruction_name(line): (opcode, rest, line)
           for opcode, rest, line in computation}
 
 
 def _operands(rest):
-  found = hlo_text._OPERANDS.match(rest)
+  found = hlo_text.OPERANDS.match(rest)
   if not found or not found.group(1).strip():
     return []
   listed = re.sub(r"/\*.*?\*/", "", found.group(1))  # /*index=5*/
@@ -130,7 +130,7 @@ def _producer(computations, body, name):
 def accumulation_adds(text):
   """For the while loop with the most float32 running sums: what produces
   each (``[[shape, how], ...]``, in carry order) and their counts."""
-  _, computations = hlo_text._parse(text)
+  _, computations = hlo_text.parse(text)
   best = []
   for computation in computations.values():
     for opcode, rest, _ in computation:
@@ -147,7 +147,7 @@ def accumulation_adds(text):
       for operand in _operands(root[1]):
         if operand not in table:
           continue
-        shapes = hlo_text._result_shapes(table[operand][2])
+        shapes = hlo_text.result_shapes(table[operand][2])
         if len(shapes) != 1 or shapes[0][0] != "f32":
           continue
         nbytes = 4 * math.prod(shapes[0][1])
