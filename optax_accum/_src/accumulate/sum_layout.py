@@ -42,7 +42,8 @@ from optax_accum._src.rules import noise_scale
 
 
 class UpdateSettings(NamedTuple):
-  """The settings a micro-step is added under (fixed at construction)."""
+  """``accumulate``'s settings, fixed at construction: those a micro-step
+  is added under, and those ``init`` lays the state out by."""
 
   loss_reduction: str
   axis_name: readers.AxisName | None
