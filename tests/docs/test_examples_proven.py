@@ -14,6 +14,11 @@ Some of the examples' schedules start at a learning rate of 0 (warm-up from
 0): there the state is first moved by one update, so that the update checked
 moves the parameters too, not only the optimizer's moments.
 
+All in the slow tier (``-m slow``), with the examples' own runs
+(test_examples.py): each compiles an example's step once per split, and
+``check_k_invariance`` itself is tested in the default tier, on steps of each
+form and each planted mistake (tests/unit/proving/).
+
 Not here: examples/plan.py, which plans and checks a gradient but takes no
 optimizer step, and the adaptive run of examples/noise_scale/, which ends
 its cycles by token count rather than after a given k.
@@ -33,6 +38,8 @@ import pytest
 
 import helpers
 import optax_accum as oa
+
+pytestmark = pytest.mark.slow
 
 K = 4  # micro-batches of the split checked against one (the reference).
 
@@ -143,7 +150,6 @@ def test_no_sync_micro_steps_are_k_invariant(variant):
 # resume.py: the micro-step reads its micro-batch by its own counter.
 
 
-@pytest.mark.slow  # compiles a transformer-sized step per split.
 def test_resume_micro_step_is_k_invariant(monkeypatch):
   # The example's micro-step draws its data from its micro-step counter
   # (resume.microbatch), so that a resumed run sees the same data. Here that
@@ -201,12 +207,10 @@ def _batchnorm_report(norm):
   return oa.check_k_invariance(make_step, state, batch, ignore=ignore)
 
 
-@pytest.mark.slow  # compiles a transformer-sized step per split.
 def test_batchnorm_linen_group_norm_twin_is_k_invariant():
   _assert_ok(_batchnorm_report("group"))
 
 
-@pytest.mark.slow  # a convolutional step compiled per split.
 def test_batchnorm_linen_batch_norm_is_reported_even_ignoring_its_stats():
   # The example's point: in training BatchNorm normalises each micro-batch by
   # its own statistics, so its gradient is not the full batch's ("ghost batch
@@ -257,14 +261,12 @@ def _train_lm_report(naive: bool):
   return oa.check_k_invariance(make_step, (model, optimizer), batch)
 
 
-@pytest.mark.slow  # compiles a transformer-sized step per split.
 def test_train_lm_accumulate_is_k_invariant():
   report = _train_lm_report(naive=False)
   _assert_ok(report)
   assert "[1].step" in dict(report.ignored), report.ignored
 
 
-@pytest.mark.slow  # compiles a transformer-sized step per split.
 def test_train_lm_naive_multisteps_is_reported():
   report = _train_lm_report(naive=True)
   _assert_reported(report)
@@ -274,7 +276,6 @@ def test_train_lm_naive_multisteps_is_reported():
 # noise_scale/: accumulate(every_k=None, with_stats=True), emit=True at k.
 
 
-@pytest.mark.slow  # compiles a transformer-sized step per split.
 def test_noise_scale_fixed_k_micro_step_is_k_invariant():
   # The fixed run: target_tokens infinite, the cycle ends after max_k = k
   # micro-batches. (The adaptive run ends its cycles by token count, not
@@ -313,7 +314,6 @@ def test_noise_scale_fixed_k_micro_step_is_k_invariant():
 # fsdp_tensor/: data x fsdp x tensor mesh, Flax NNX with logical axes.
 
 
-@pytest.mark.slow  # compiles a transformer-sized step per split.
 def test_fsdp_tensor_train_step_is_k_invariant():
   # k = 2, the example's default: 2 rows per data device and micro-batch.
   example = helpers.import_example("fsdp_tensor/main")
