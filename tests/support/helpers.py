@@ -63,6 +63,23 @@ def num_tokens(batch):
   return batch["mask"].sum()
 
 
+def vector_params(size: int = 3):
+  """One zero vector, ``{"w": zeros(size)}``: the smallest parameters."""
+  return {"w": jnp.zeros(size)}
+
+
+def layer_params(rows: int = 3, cols: int = 2):
+  """A zero weight and bias, ``{"w": (rows, cols), "b": (cols,)}``."""
+  return {"w": jnp.zeros((rows, cols)), "b": jnp.zeros(cols)}
+
+
+def dense_params(width: int, seed: int = 0):
+  """A square float32 weight ``w`` and a bias ``b``, drawn with ``seed``."""
+  rng = np.random.default_rng(seed)
+  return {"w": jnp.asarray(rng.normal(size=(width, width)), jnp.float32),
+          "b": jnp.asarray(rng.normal(size=(width,)), jnp.float32)}
+
+
 def linear_params(dim: int):
   """Parameters of :func:`linear_token_losses`: a weight vector and a bias."""
   return {"w": jnp.linspace(-1.0, 1.0, dim), "b": jnp.float32(0.3)}

@@ -14,10 +14,6 @@ import optax_accum as oa
 K, UPDATES = 4, 6
 
 
-def _params():
-  return {"w": jnp.zeros(3)}
-
-
 def _micro_batches(nan_at=5):
   """(grads, num_tokens) of 24 micro-batches; one has a NaN gradient."""
   rng = np.random.default_rng(0)
@@ -31,7 +27,7 @@ def _micro_batches(nan_at=5):
 
 
 def _run(tx, micro_batches):
-  params = _params()
+  params = helpers.vector_params()
   state = tx.init(params)
   update = jax.jit(tx.update)
   emitted = []
@@ -59,13 +55,13 @@ def _window_means(micro_batches, drop):
 def test_apply_if_finite_outside_accumulate_is_refused():
   tx = optax.apply_if_finite(oa.accumulate(optax.sgd(0.1), K), 3)
   with pytest.raises(ValueError, match="skip_nonfinite=True") as e:
-    tx.init(_params())
+    tx.init(helpers.vector_params())
   assert "optax.apply_if_finite" in str(e.value)
   # Also where the wrapper holds a chain that holds us, and under jit.
   tx = optax.apply_if_finite(
       optax.chain(optax.clip(1.0), oa.accumulate(optax.sgd(0.1), K)), 3)
   with pytest.raises(ValueError, match="boundary shifts"):
-    jax.jit(tx.init)(_params())
+    jax.jit(tx.init)(helpers.vector_params())
 
 
 @pytest.mark.slow
@@ -73,7 +69,7 @@ def test_what_apply_if_finite_outside_would_do():
   # The refused placement's silent failure, with the inner wrapped by hand
   # as the wrapper does: the NaN micro-batch never reaches accumulate.
   tx = oa.accumulate(optax.sgd(0.1), K)
-  params, state = _params(), tx.init(_params())
+  params, state = helpers.vector_params(), tx.init(helpers.vector_params())
   emitted = 0
   for g, n in _micro_batches():
     if not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(g)):
@@ -110,7 +106,7 @@ def test_apply_if_finite_inside_drops_the_windows_update():
 def test_hyperparams_read_and_set_through_our_state():
   tx = oa.accumulate(optax.inject_hyperparams(optax.adamw)(learning_rate=0.1),
                      every_k=2)
-  state = tx.init(_params())
+  state = tx.init(helpers.vector_params())
   assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.1)
   state.hyperparams["learning_rate"] = jnp.float32(0.5)
   assert float(state.inner_state.hyperparams["learning_rate"]) == 0.5
@@ -121,14 +117,14 @@ def test_hyperparams_read_and_set_through_our_state():
   tx = oa.accumulate(optax.chain(
       optax.clip(1.0),
       optax.inject_hyperparams(optax.sgd)(learning_rate=0.3)), 2)
-  assert float(tx.init(_params()).hyperparams["learning_rate"]) == (
-      pytest.approx(0.3))
+  state = tx.init(helpers.vector_params())
+  assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.3)
 
 
 def test_hyperparams_set_through_our_state_reach_the_update():
   tx = oa.accumulate(optax.inject_hyperparams(optax.sgd)(learning_rate=1.0),
                      every_k=1)
-  params = _params()
+  params = helpers.vector_params()
   state = tx.init(params)
   state.hyperparams["learning_rate"] = jnp.float32(0.5)
   updates, _ = tx.update({"w": jnp.ones(3)}, state, params, num_tokens=1)
@@ -151,20 +147,20 @@ def test_schedule_free_eval_params_through_our_state():
 
 
 def test_a_missing_attribute_says_where_the_inner_state_is():
-  state = oa.accumulate(optax.adam(0.1), 2).init(_params())
+  state = oa.accumulate(optax.adam(0.1), 2).init(helpers.vector_params())
   with pytest.raises(AttributeError, match=r"state\.inner_state"):
     _ = state.hyperparams
   two = oa.accumulate(optax.chain(
       optax.inject_hyperparams(optax.sgd)(learning_rate=0.3),
       optax.inject_hyperparams(optax.sgd)(learning_rate=0.2)), 2)
   with pytest.raises(AttributeError, match="2 fields of that name"):
-    _ = two.init(_params()).hyperparams
+    _ = two.init(helpers.vector_params()).hyperparams
 
 
 @pytest.mark.parametrize("order", ["grads-params-state", "state-grads-params"])
 def test_swapped_update_arguments_are_named(order):
   tx = oa.accumulate(optax.sgd(0.1), 2)
-  params, grads = _params(), {"w": jnp.ones(3)}
+  params, grads = helpers.vector_params(), {"w": jnp.ones(3)}
   state = tx.init(params)
   args = ((grads, params, state) if order == "grads-params-state"
           else (state, grads, params))

@@ -26,17 +26,13 @@ from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import window_args
 
 
-def _params():
-  return {"w": jnp.zeros(3)}
-
-
 def _grads(i=0):
   return {"w": jnp.full(3, 1.0 + i)}
 
 
 def _state(inner=None, **kwargs):
   tx = oa.accumulate(inner or optax.adam(0.1), 2, **kwargs)
-  return tx, tx.init(_params())
+  return tx, tx.init(helpers.vector_params())
 
 
 def _notes(error: BaseException) -> str:
@@ -82,7 +78,7 @@ def test_update_changes_nothing_it_is_given():
   tx, state = _state(equal_weights=True)
   before = jax.tree.map(lambda x: x, state)
   marks = dict(state.__dict__)
-  _, new_state = tx.update(_grads(), state, _params())
+  _, new_state = tx.update(_grads(), state, helpers.vector_params())
   assert state.__dict__ == marks  # no attribute set on the argument.
   helpers.assert_trees_equal(before, state)
   assert new_state is not state
@@ -92,7 +88,7 @@ def test_a_state_copies_and_pickles_as_its_fields_alone():
   """The memory of the updates stays with the object: a copy or an
   unpickled state is a fresh one, equal leaf by leaf."""
   tx, state = _state(equal_weights=True)
-  updates, new_state = tx.update(_grads(), state, _params())
+  updates, new_state = tx.update(_grads(), state, helpers.vector_params())
   for clone in (copy.copy(new_state), copy.deepcopy(new_state),
                 pickle.loads(pickle.dumps(new_state))):
     assert type(clone) is state_lib.AccumulateState
@@ -103,16 +99,16 @@ def test_a_state_copies_and_pickles_as_its_fields_alone():
 
 def test_a_state_remembers_the_updates_returned_with_it():
   tx, state = _state(equal_weights=True)
-  updates, state = tx.update(_grads(0), state, _params())
+  updates, state = tx.update(_grads(0), state, helpers.vector_params())
   assert state_lib.returned_with(state, updates)
   # Negative controls: equal values that are other arrays; another call's
   # updates; a tree with other leaves; a state that returned none.
   assert not state_lib.returned_with(state, jax.tree.map(jnp.copy, updates))
-  later, next_state = tx.update(_grads(1), state, _params())
+  later, next_state = tx.update(_grads(1), state, helpers.vector_params())
   assert not state_lib.returned_with(state, later)
   assert not state_lib.returned_with(next_state, updates)
   assert not state_lib.returned_with(state, {**updates, "b": updates["w"]})
-  assert not state_lib.returned_with(tx.init(_params()), updates)
+  assert not state_lib.returned_with(tx.init(helpers.vector_params()), updates)
 
 
 def test_updates_that_take_no_weak_reference_are_not_remembered():
@@ -125,7 +121,7 @@ def test_updates_that_take_no_weak_reference_are_not_remembered():
 def test_update_and_apply_remembers_no_updates():
   """It returns parameters, which are no updates to be swapped with them."""
   tx, state = _state(equal_weights=True)
-  params, state = tx.update_and_apply(_grads(), state, _params())
+  params, state = tx.update_and_apply(_grads(), state, helpers.vector_params())
   assert not state_lib.returned_with(state, params)
   assert "returned" not in state.__dict__
 
@@ -197,9 +193,9 @@ def test_next_state_counts_tokens_seen_without_rounding_them_away():
 
 def test_check_state_names_a_state_that_is_not_ours():
   _, state = _state()
-  state_lib.check_state(_grads(), state, _params())
+  state_lib.check_state(_grads(), state, helpers.vector_params())
   with pytest.raises(TypeError, match=r"AccumulateState as its third"
                      r" argument \(params\)"):
-    state_lib.check_state(_grads(), _params(), state)
+    state_lib.check_state(_grads(), helpers.vector_params(), state)
   with pytest.raises(TypeError, match=r"An optax\.chain or another wrapper"):
-    state_lib.check_state(_grads(), (state,), _params())
+    state_lib.check_state(_grads(), (state,), helpers.vector_params())

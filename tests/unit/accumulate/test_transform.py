@@ -10,12 +10,8 @@ import helpers
 import optax_accum as oa
 
 
-def _params():
-  return {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
-
-
 def _grads(seed, params=None, dtype=jnp.float32):
-  params = _params() if params is None else params
+  params = helpers.layer_params() if params is None else params
   keys = jax.random.split(jax.random.key(seed), len(jax.tree.leaves(params)))
   leaves = [
       jax.random.normal(k, jnp.shape(p)).astype(dtype)
@@ -25,7 +21,7 @@ def _grads(seed, params=None, dtype=jnp.float32):
 
 
 def _run(tx, grads_and_tokens, params=None, jit=True):
-  params = _params() if params is None else params
+  params = helpers.layer_params() if params is None else params
   state = tx.init(params)
   update = jax.jit(tx.update) if jit else tx.update
   outs = []
@@ -68,12 +64,12 @@ def test_non_emitting_updates_are_exactly_zero_and_has_updated():
 
 
 def test_initial_state():
-  state = oa.accumulate(optax.sgd(1.0), 2).init(_params())
+  state = oa.accumulate(optax.sgd(1.0), 2).init(helpers.layer_params())
   assert not bool(oa.has_updated(state))
   assert state.micro_step.dtype == jnp.int32 and state.count.dtype == jnp.int32
   assert state.token_count.dtype == jnp.float32
   assert state.token_count.shape == ()
-  helpers.assert_trees_equal(state.grad_sum, _params())
+  helpers.assert_trees_equal(state.grad_sum, helpers.layer_params())
 
 
 def _counting(inner, calls):
@@ -112,7 +108,7 @@ def test_no_retracing_across_micro_steps():
     updates, state = tx.update(grads, state, params, num_tokens=tokens)
     return optax.apply_updates(params, updates), state
 
-  params, state = _params(), tx.init(_params())
+  params, state = helpers.layer_params(), tx.init(helpers.layer_params())
   for i in range(7):
     params, state = step(params, state, _grads(i), jnp.float32(i + 1))
   assert len(traces) == 1
@@ -176,7 +172,8 @@ def test_zero_token_cycle_emits_zeros_and_keeps_inner_state():
   outs = _run(tx, [(_grads(0), 1.0), (_grads(1), 1.0),
                    (_grads(2), 0.0), (_grads(3), 0.0)])
   updates, state = outs[3]
-  helpers.assert_trees_equal(updates, jax.tree.map(jnp.zeros_like, _params()))
+  helpers.assert_trees_equal(
+      updates, jax.tree.map(jnp.zeros_like, helpers.layer_params()))
   helpers.assert_trees_equal(state.inner_state, outs[1][1].inner_state)
   assert not bool(oa.has_updated(state))
   assert int(state.count) == 1 and int(state.micro_step) == 0
@@ -199,8 +196,10 @@ def test_all_micro_steps_nonfinite_is_a_zero_token_cycle():
   tx = oa.accumulate(optax.adam(0.1), 2, skip_nonfinite=True)
   outs = _run(tx, [(nan_grads, 1.0), (nan_grads, 1.0)])
   updates, state = outs[-1]
-  helpers.assert_trees_equal(updates, jax.tree.map(jnp.zeros_like, _params()))
-  helpers.assert_trees_equal(state.inner_state, tx.init(_params()).inner_state)
+  helpers.assert_trees_equal(
+      updates, jax.tree.map(jnp.zeros_like, helpers.layer_params()))
+  helpers.assert_trees_equal(
+      state.inner_state, tx.init(helpers.layer_params()).inner_state)
   assert int(state.nonfinite_count) == 2
 
 
@@ -214,7 +213,7 @@ def test_callable_every_k_follows_the_update_count():
 def test_extra_args_reach_the_inner_optimizer():
   inner = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau())
   tx = oa.accumulate(inner, 2, equal_weights=True)
-  params = _params()
+  params = helpers.layer_params()
   state = tx.init(params)
   update = jax.jit(tx.update)
   best = []
@@ -237,11 +236,11 @@ def test_works_inside_chain_and_with_inject_hyperparams():
 
 def test_find_accumulate_state_rejects_trees_without_one():
   with pytest.raises(ValueError, match="AccumulateState"):
-    oa.find_accumulate_state(optax.adam(0.1).init(_params()))
+    oa.find_accumulate_state(optax.adam(0.1).init(helpers.layer_params()))
 
 
 def test_state_is_a_pytree_of_arrays():
-  state = oa.accumulate(optax.adamw(0.1), 2).init(_params())
+  state = oa.accumulate(optax.adamw(0.1), 2).init(helpers.layer_params())
   assert isinstance(state, oa.AccumulateState)
   assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
 

@@ -29,10 +29,6 @@ import optax_accum as oa
 NAN, INF = float("nan"), float("inf")
 
 
-def _params():
-  return {"w": jnp.zeros(3)}
-
-
 def _grads(i):
   return {"w": jnp.arange(3.0) + i + 1.0}
 
@@ -49,7 +45,8 @@ def _grads(i):
 @pytest.mark.parametrize("jit", [False, True])
 def test_concrete_bad_num_tokens_raise_naming_it(num_tokens, jit):
   tx = oa.accumulate(optax.sgd(1.0), 2)
-  update = functools.partial(tx.update, _grads(0), tx.init(_params()),
+  update = functools.partial(tx.update, _grads(0),
+                             tx.init(helpers.vector_params()),
                              num_tokens=num_tokens)
   with pytest.raises(ValueError,
                      match=r"num_tokens must be a finite number >= 0, got"):
@@ -64,16 +61,18 @@ def test_non_numeric_num_tokens_raise_naming_it(num_tokens):
   tx = oa.accumulate(optax.sgd(1.0), 2)
   pattern = rf"num_tokens must be a real number.*{re.escape(repr(num_tokens))}"
   with pytest.raises(TypeError, match=pattern):
-    tx.update(_grads(0), tx.init(_params()), num_tokens=num_tokens)
+    tx.update(_grads(0), tx.init(helpers.vector_params()),
+              num_tokens=num_tokens)
 
 
 def test_traced_non_numeric_or_non_scalar_num_tokens_raise_at_trace_time():
   tx = oa.accumulate(optax.sgd(1.0), 2)
   update = jax.jit(tx.update)
   with pytest.raises(TypeError, match=r"num_tokens must be a real number"):
-    update(_grads(0), tx.init(_params()), num_tokens=jnp.complex64(1))
+    update(_grads(0), tx.init(helpers.vector_params()),
+           num_tokens=jnp.complex64(1))
   with pytest.raises(ValueError, match=r"num_tokens must be a scalar.*\(2,\)"):
-    update(_grads(0), tx.init(_params()), num_tokens=jnp.ones(2))
+    update(_grads(0), tx.init(helpers.vector_params()), num_tokens=jnp.ones(2))
 
 
 @pytest.mark.parametrize("num_tokens, expected", [
@@ -82,7 +81,8 @@ def test_traced_non_numeric_or_non_scalar_num_tokens_raise_at_trace_time():
 ])
 def test_unusual_but_good_num_tokens_are_counted(num_tokens, expected):
   tx = oa.accumulate(optax.sgd(1.0), 2)
-  _, state = tx.update(_grads(0), tx.init(_params()), num_tokens=num_tokens)
+  _, state = tx.update(_grads(0), tx.init(helpers.vector_params()),
+                       num_tokens=num_tokens)
   assert float(state.token_count) == expected
 
 
@@ -95,7 +95,7 @@ def test_traced_bad_num_tokens_is_visible_or_dropped_and_counted(bad):
   feed = [(_grads(0), 2.0), (_grads(1), bad), (_grads(2), 3.0)]
   for skip_nonfinite in (False, True):
     tx = oa.accumulate(optax.sgd(1.0), 3, skip_nonfinite=skip_nonfinite)
-    state, update = tx.init(_params()), jax.jit(tx.update)
+    state, update = tx.init(helpers.vector_params()), jax.jit(tx.update)
     for grads, n in feed:
       updates, state = update(grads, state, num_tokens=jnp.float32(n))
     if skip_nonfinite:
@@ -157,7 +157,7 @@ def _expected(cycle, skip_nonfinite, loss_reduction):
 def test_bad_num_tokens_never_give_a_finite_wrong_update(
     counts, every_k, skip_nonfinite, loss_reduction, concrete):
   tx, update = _jitted(skip_nonfinite, loss_reduction)
-  state, cycle, dropped = tx.init(_params()), [], 0
+  state, cycle, dropped = tx.init(helpers.vector_params()), [], 0
   for i, n in enumerate(counts):
     last = i == len(counts) - 1
     if concrete and _is_bad(n):  # caught before anything is computed.
@@ -217,7 +217,8 @@ def test_python_scalar_and_numpy_gradient_leaves_work(jit):
 def test_complex_gradients_need_complex_parameters():
   tx = oa.accumulate(optax.sgd(1.0), 2)
   with pytest.raises(TypeError, match=r"updates\['w'\] is complex"):
-    jax.jit(tx.update)({"w": jnp.ones(3, jnp.complex64)}, tx.init(_params()))
+    jax.jit(tx.update)({"w": jnp.ones(3, jnp.complex64)},
+                       tx.init(helpers.vector_params()))
   params = {"w": jnp.zeros(2, jnp.complex64)}
   state = tx.init(params)
   _, state = tx.update({"w": jnp.array([1 + 1j, 2j])}, state, num_tokens=1)
@@ -238,7 +239,7 @@ def test_every_k_outside_int32_refused_at_construction(every_k):
 
 def test_largest_int32_every_k_is_accepted():
   tx = oa.accumulate(optax.sgd(1.0), 2**31 - 1, equal_weights=True)
-  updates, state = tx.update(_grads(0), tx.init(_params()))
+  updates, state = tx.update(_grads(0), tx.init(helpers.vector_params()))
   assert int(state.micro_step) == 1 and not np.any(updates["w"])
 
 
@@ -256,8 +257,9 @@ def test_unknown_keyword_refused_for_a_plain_inner():
   assert not isinstance(plain, optax.GradientTransformationExtraArgs)
   tx = oa.accumulate(plain, 2)
   with pytest.raises(TypeError, match=r"\['tokens_seen'\].*plain"):
-    tx.update(_grads(0), tx.init(_params()), tokens_seen=3)
-  tx.update(_grads(0), tx.init(_params()), num_tokens=3, emit=True)
+    tx.update(_grads(0), tx.init(helpers.vector_params()), tokens_seen=3)
+  tx.update(_grads(0), tx.init(helpers.vector_params()), num_tokens=3,
+            emit=True)
 
 
 @pytest.mark.parametrize("typo", ["num_token", "n_tokens", "numtokens",
@@ -265,20 +267,20 @@ def test_unknown_keyword_refused_for_a_plain_inner():
 def test_typo_of_our_keywords_refused_whatever_inner(typo):
   tx = oa.accumulate(optax.adam(0.1), 2)  # adam takes extra arguments.
   with pytest.raises(TypeError, match=rf"'{typo}' to update: did you mean"):
-    jax.jit(tx.update)(_grads(0), tx.init(_params()), **{typo: 3})
+    jax.jit(tx.update)(_grads(0), tx.init(helpers.vector_params()), **{typo: 3})
 
 
 @pytest.mark.parametrize("emit", [
     1, "yes", jnp.array([True]), jnp.float32(1.0), jnp.int32(1)])
 def test_emit_must_be_a_bool_scalar(emit):
   tx = oa.accumulate(optax.sgd(1.0), 2)
-  update = functools.partial(tx.update, _grads(0), tx.init(_params()),
-                             emit=emit)
+  update = functools.partial(tx.update, _grads(0),
+                             tx.init(helpers.vector_params()), emit=emit)
   with pytest.raises(TypeError, match=r"emit must be a bool scalar"):
     jax.jit(update)()
   if isinstance(emit, jax.Array):  # traced as well.
     with pytest.raises(TypeError, match=r"emit must be a bool scalar"):
-      jax.jit(tx.update)(_grads(0), tx.init(_params()), emit=emit)
+      jax.jit(tx.update)(_grads(0), tx.init(helpers.vector_params()), emit=emit)
 
 
 @pytest.mark.parametrize("returns", [
@@ -290,7 +292,7 @@ def test_should_skip_must_return_a_bool_scalar(returns):
   with pytest.raises(TypeError,
                      match=r"should_skip\(grads, state, params\) must be a"
                      r" bool scalar"):
-    jax.jit(tx.update).lower(_grads(0), tx.init(_params()))
+    jax.jit(tx.update).lower(_grads(0), tx.init(helpers.vector_params()))
 
 
 # --------------------------------------------------------------------------

@@ -35,10 +35,6 @@ K = 4
 RTOL, ATOL = 1e-5, 1e-6  # float32, summed in another order.
 
 
-def _params():
-  return {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
-
-
 def _grads(seed, scale=1.0):
   keys = jax.random.split(jax.random.key(seed), 2)
   return {"w": scale * jax.random.normal(keys[0], (3, 2)),
@@ -56,7 +52,7 @@ def _mean(grads_and_tokens):
 
 
 def _zeros():
-  return jax.tree.map(jnp.zeros_like, _params())
+  return jax.tree.map(jnp.zeros_like, helpers.layer_params())
 
 
 # --------------------------------------------------------------------------
@@ -67,7 +63,7 @@ def _zeros():
 def test_emit_true_ends_a_partial_window_with_its_exact_mean(traced):
   tx = oa.accumulate(optax.sgd(1.0), K)
   update = jax.jit(tx.update, static_argnames=None if traced else "emit")
-  params, state = _params(), tx.init(_params())
+  params, state = helpers.layer_params(), tx.init(helpers.layer_params())
   feed = [(_grads(i), float(i + 1)) for i in range(6)]
   emits = [None, True, None, None, None, None]  # 2 micro-steps, then 4.
   outs = []
@@ -90,7 +86,7 @@ def test_emit_true_ends_a_partial_window_with_its_exact_mean(traced):
 def test_emit_false_leaves_the_cycle_to_every_k(traced):
   tx = oa.accumulate(optax.sgd(1.0), 2)
   update = jax.jit(tx.update, static_argnames=None if traced else "emit")
-  params, state = _params(), tx.init(_params())
+  params, state = helpers.layer_params(), tx.init(helpers.layer_params())
   feed = [(_grads(i), 2.0 + i) for i in range(4)]
   outs = []
   for (grads, n), emit in zip(feed, [False, False, None, False]):
@@ -109,7 +105,7 @@ def test_emit_false_leaves_the_cycle_to_every_k(traced):
 def test_every_k_none_ends_cycles_only_on_emit(traced):
   tx = oa.accumulate(optax.sgd(1.0), None)
   update = jax.jit(tx.update, static_argnames=None if traced else "emit")
-  params, state = _params(), tx.init(_params())
+  params, state = helpers.layer_params(), tx.init(helpers.layer_params())
   feed = [(_grads(i), 1.0 + i) for i in range(7)]
   emits = [None, False, None, None, True, False, True]  # after 5, then 2.
   outs = []
@@ -137,7 +133,7 @@ def test_traced_emit_does_not_retrace():
                                emit=emit)
     return optax.apply_updates(params, updates), state
 
-  params, state = _params(), tx.init(_params())
+  params, state = helpers.layer_params(), tx.init(helpers.layer_params())
   emitted = []
   for i, emit in enumerate([False, True, False, False, True, True]):
     params, state = step(params, state, _grads(i), jnp.bool_(emit))
@@ -149,7 +145,7 @@ def test_traced_emit_does_not_retrace():
 @pytest.mark.slow
 def test_flush_ends_the_cycle_without_a_new_gradient():
   tx = oa.accumulate(optax.adam(0.1), K)
-  params, state = _params(), tx.init(_params())
+  params, state = helpers.layer_params(), tx.init(helpers.layer_params())
   feed = [(_grads(i), float(i + 2)) for i in range(3)]
   for grads, n in feed:
     _, state = tx.update(grads, state, params, num_tokens=n)
@@ -178,10 +174,10 @@ def test_emit_is_never_passed_to_inner():
   inner = optax.GradientTransformationExtraArgs(optax.sgd(1.0).init,
                                                 update_fn)
   tx = oa.accumulate(inner, K)
-  state = tx.init(_params())
+  state = tx.init(helpers.layer_params())
   for emit in (True, jnp.bool_(False), None):
-    _, state = tx.update(_grads(0), state, _params(), num_tokens=1.0,
-                         emit=emit, value=1.0)
+    _, state = tx.update(_grads(0), state, helpers.layer_params(),
+                         num_tokens=1.0, emit=emit, value=1.0)
   assert seen and all(keys == ["value"] for keys in seen), seen
 
 
@@ -320,7 +316,7 @@ def test_should_skip_drops_exactly_the_flagged_micro_steps():
           for i in range(8)]
   tx = oa.accumulate(optax.sgd(1.0), K, should_skip=_norm_above_threshold)
   update = jax.jit(tx.update)
-  params, state = _params(), tx.init(_params())
+  params, state = helpers.layer_params(), tx.init(helpers.layer_params())
   outs = []
   for grads, n in feed:
     updates, state = update(grads, state, params, num_tokens=n)
@@ -346,7 +342,7 @@ def test_should_skip_drops_exactly_the_flagged_micro_steps():
 def test_should_skip_sees_the_state_before_the_call():
   tx = oa.accumulate(optax.sgd(1.0), 3,
                      should_skip=lambda g, s, p: s.micro_step == 1)
-  params, state = _params(), tx.init(_params())
+  params, state = helpers.layer_params(), tx.init(helpers.layer_params())
   feed = [(_grads(i), 1.0 + i) for i in range(3)]
   for grads, n in feed:
     updates, state = tx.update(grads, state, params, num_tokens=n)
@@ -362,7 +358,7 @@ def test_should_skip_and_skip_nonfinite_combine():
   tx = oa.accumulate(optax.sgd(1.0), K, skip_nonfinite=True,
                      should_skip=_norm_above_threshold)
   update = jax.jit(tx.update)
-  params, state = _params(), tx.init(_params())
+  params, state = helpers.layer_params(), tx.init(helpers.layer_params())
   for grads, n in feed:
     updates, state = update(grads, state, params, num_tokens=n)
   helpers.assert_trees_close(updates, _mean([feed[0], feed[3]]), rtol=RTOL,

@@ -30,10 +30,6 @@ def _probe():
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _params():
-  return {"w": jnp.zeros(3)}
-
-
 def _grads(i):
   return {"w": jnp.full(3, float(i + 1))}
 
@@ -46,7 +42,7 @@ def _got(state):
 def test_value_is_the_windows_token_weighted_mean(loss_reduction):
   tx = oa.accumulate(_probe(), every_k=4, loss_reduction=loss_reduction,
                      skip_nonfinite=True)
-  params = _params()
+  params = helpers.vector_params()
   state = tx.init(params)
   nan = {"w": jnp.full(3, jnp.nan)}
   # (grads, value, tokens): an empty micro-step (0/0 value) and a dropped
@@ -68,7 +64,7 @@ def test_value_is_the_windows_token_weighted_mean(loss_reduction):
 def test_the_emitting_calls_value_alone_is_not_what_inner_gets():
   # Negative control of the test above: the last value is 6.0.
   tx = oa.accumulate(_probe(), every_k=2)
-  params = _params()
+  params = helpers.vector_params()
   state = tx.init(params)
   for g, value, n in [(_grads(0), 2.0, 3.0), (_grads(2), 6.0, 1.0)]:
     _, state = tx.update(g, state, params, num_tokens=n, value=value)
@@ -77,7 +73,7 @@ def test_the_emitting_calls_value_alone_is_not_what_inner_gets():
 
 def test_grad_is_the_windows_mean_gradient():
   tx = oa.accumulate(_probe(), every_k=2)
-  params = _params()
+  params = helpers.vector_params()
   state = tx.init(params)
   for i, n in [(0, 3.0), (2, 1.0)]:
     _, state = tx.update(_grads(i), state, params, num_tokens=n,
@@ -101,7 +97,7 @@ def test_reduce_on_plateau_matches_the_full_batch():
   k, updates = 2, 6
   tx = oa.accumulate(_plateau_chain(), every_k=k)
   full = _plateau_chain()
-  params = _params()
+  params = helpers.vector_params()
   state, full_state, last_state = tx.init(params), full.init(params), (
       full.init(params))
   update = jax.jit(tx.update)
@@ -172,7 +168,7 @@ def test_zoom_linesearch_inside_accumulate_matches_the_full_batch():
 def test_value_fn_is_refused_without_value_fn_over_window():
   tx = oa.accumulate(
       optax.chain(optax.sgd(1.0), optax.scale_by_zoom_linesearch(8)), 2)
-  params = _params()
+  params = helpers.vector_params()
   with pytest.raises(ValueError, match="value_fn_over_window=True") as e:
     tx.update(_grads(0), tx.init(params), params, value=1.0,
               grad=_grads(0), value_fn=lambda p: 0.0)
@@ -182,7 +178,7 @@ def test_value_fn_is_refused_without_value_fn_over_window():
 @pytest.mark.parametrize("value", [jnp.ones(2), "loss", jnp.complex64(1.0)])
 def test_value_must_be_a_real_scalar(value):
   tx = oa.accumulate(_probe(), 2)
-  params = _params()
+  params = helpers.vector_params()
   with pytest.raises(TypeError, match="value must be a real scalar"):
     tx.update(_grads(0), tx.init(params), params, value=value)
 
@@ -205,7 +201,7 @@ def test_value_over_devices_inside_shard_map():
 
   mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
   with jax.set_mesh(mesh):
-    state = tx.init(_params())
+    state = tx.init(helpers.vector_params())
     specs = oa.state_partition_specs(state, "data")
     step = jax.jit(jax.shard_map(
         micro_step, in_specs=(specs, P("data"), P("data"), P("data")),

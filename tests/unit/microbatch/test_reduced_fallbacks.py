@@ -36,12 +36,6 @@ def _loss(params, mb):
   return jnp.mean(jnp.tanh(mb @ params["w"] + params["b"]) ** 2)
 
 
-def _params(width):
-  rng = np.random.default_rng(0)
-  return {"w": jnp.asarray(rng.normal(size=(width, width)), jnp.float32),
-          "b": jnp.asarray(rng.normal(size=(width,)), jnp.float32)}
-
-
 def _step(num_microbatches, **kwargs):
   fn = oa.value_and_grad(_loss, num_microbatches=num_microbatches,
                          equal_weights=True, **kwargs)
@@ -64,7 +58,7 @@ def test_a_costly_fallback_warns_with_its_cost_at_the_callers_line():
   with jax.set_mesh(_mesh()):
     batch = jax.device_put(_batch(4), P("data"))
     with pytest.warns(UserWarning) as caught:
-      step(_params(4), batch)
+      step(helpers.dense_params(4), batch)
   (warning,) = [w for w in caught if "cannot be typed" in str(w.message)]
   message = str(warning.message)
   assert warning.filename == __file__
@@ -86,15 +80,15 @@ def test_a_small_fallback_is_quiet_and_still_reported():
     batch = jax.device_put(_batch(64), P("data"))
     with warnings.catch_warnings():
       warnings.simplefilter("error")
-      step(_params(64), batch)
-    report = oa.sharding_report(fn, _params(64), batch)
+      step(helpers.dense_params(64), batch)
+    report = oa.sharding_report(fn, helpers.dense_params(64), batch)
     assert report.fallback_leaves == ("params['b']",)
     assert report.reduced_bytes_per_call == 2 * 64 * 4
     assert report.extra_share == pytest.approx(1 / 65)
     assert not report.warns
     _, costly = _step(8)
     with pytest.warns(UserWarning, match=r"each of the 8 micro-batches"):
-      costly(_params(64), batch)
+      costly(helpers.dense_params(64), batch)
 
 
 def test_the_report_of_a_step_that_ran_and_a_second_report():
@@ -111,11 +105,12 @@ def test_the_report_of_a_step_that_ran_and_a_second_report():
 
   with jax.set_mesh(_mesh()):
     batch = jax.device_put(_batch(64), P("data"))
-    step(_params(64), batch)
-    reports = [oa.sharding_report(f, _params(64), batch)
+    step(helpers.dense_params(64), batch)
+    reports = [oa.sharding_report(f, helpers.dense_params(64), batch)
                for f in (step, step, fn, fn, grad_fn)]
     assert len(traces) == 3  # the call's and both reports'.
-    step(_params(64), batch)  # the call's trace (and compilation) kept.
+    # The call's trace (and compilation) kept.
+    step(helpers.dense_params(64), batch)
   assert len(traces) == 3
   assert {r.fallback_leaves for r in reports} == {("params['b']",)}
 
@@ -124,7 +119,7 @@ def test_the_report_of_a_deferred_call_counts_every_call():
   fn, _ = _step(1, gradient_sync="deferred")
   with jax.set_mesh(_mesh()):
     report = oa.sharding_report(
-        fn, _params(4), jax.device_put(_batch(4), P("data")))
+        fn, helpers.dense_params(4), jax.device_put(_batch(4), P("data")))
   assert report.deferred and report.extra_share == pytest.approx(0.2)
   assert report.warns and "in every call (16 bytes per call)" in (
       report.message())
@@ -133,10 +128,10 @@ def test_the_report_of_a_deferred_call_counts_every_call():
 def test_the_fallback_stays_exact():
   fn, _ = _step(4)
   with jax.set_mesh(_mesh()):
-    got = jax.jit(fn)(_params(4), jax.device_put(_batch(4), P("data")))
-  helpers.assert_trees_close(
-      got, jax.value_and_grad(_loss)(_params(4), _batch(4)), rtol=1e-5,
-      atol=1e-6)
+    got = jax.jit(fn)(helpers.dense_params(4),
+                      jax.device_put(_batch(4), P("data")))
+  expected = jax.value_and_grad(_loss)(helpers.dense_params(4), _batch(4))
+  helpers.assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def _cast_jaxpr(constant):

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
+import helpers
 import optax_accum as oa
 from optax_accum._src.microbatch import layout
 from optax_accum._src.microbatch import reduced_fallbacks
@@ -54,12 +55,6 @@ def _mesh():
   return jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
 
 
-def _params():
-  rng = np.random.default_rng(0)
-  return {"w": jnp.asarray(rng.normal(size=(WIDTH, WIDTH)), jnp.float32),
-          "b": jnp.asarray(rng.normal(size=(WIDTH,)), jnp.float32)}
-
-
 def _traced(loss):
   """The loss's trace count and the fallback leaves of one traced call."""
   calls = []
@@ -72,7 +67,7 @@ def _traced(loss):
   with jax.set_mesh(_mesh()):
     batch = jax.device_put(jnp.ones((16, WIDTH)), P("data"))
     with reduced_fallbacks.collecting() as reports:
-      jax.jit(fn).trace(_params(), batch)
+      jax.jit(fn).trace(helpers.dense_params(WIDTH), batch)
   return len(calls), reports[-1].fallback_leaves
 
 
