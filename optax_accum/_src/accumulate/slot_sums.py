@@ -106,9 +106,10 @@ def init_slots(inner: Any, params: Any,
       return slots_like(param, dtype, axis_name)
     return zeros_with_slot(jnp.shape(param), dtype, axis_name)
 
-  return sum_layout.start(
-      inner_state, sum_layout.sums_like(params, settings, sum_zeros),
-      settings, lambda dtype: zeros_with_slot((), dtype, axis_name))
+  grad_sum = sum_layout.unreduced_where_flax_shards(
+      sum_layout.sums_like(params, settings, sum_zeros), params)
+  return sum_layout.start(inner_state, grad_sum, settings,
+                          lambda dtype: zeros_with_slot((), dtype, axis_name))
 
 
 def _slot_spec(slots: Any) -> P:

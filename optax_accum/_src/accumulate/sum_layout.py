@@ -34,7 +34,9 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import flax_nnx
 from optax_accum._src import validation
 from optax_accum._src.accumulate import window_args
 from optax_accum._src.mesh import readers
@@ -111,6 +113,46 @@ def whole(inner_state: Any, params: Any, settings: UpdateSettings) -> Start:
   return start(inner_state, sums_like(
       params, settings, lambda p, dtype: jnp.zeros_like(p, dtype=dtype)),
                settings)
+
+
+def flax_zero_axes(params: Any) -> frozenset[str]:
+  """The Explicit mesh axes that some Variable's ``optimizer_sharding``
+  shards the state over while its parameter is not sharded over them."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return frozenset()
+  values = jax.tree.leaves(flax_nnx.unwrap_variables(params))
+  named = {a for axes, value in zip(flax_nnx.optimizer_sharding_axes(params),
+                                    values)
+           for a in axes if a not in readers.spec_names(
+               readers.plain_spec(value))}
+  return frozenset(a for a in named if a in mesh.axis_names
+                   and readers.are_explicit(mesh, (a,)))
+
+
+def unreduced_where_flax_shards(
+    grad_sum: Any, params: Any, shard_optimizer: tuple[str, ...] = ()) -> Any:
+  """The first running sums: unreduced over ZeRO's axes where Variables of
+  ``params`` carry an ``optimizer_sharding`` over them (with those of
+  ``shard_optimizer``), else ``grad_sum``.
+
+  Each leaf is handed back as a plain array, which ``nnx.Optimizer`` keeps
+  as it is (a Variable would be resharded to its ``optimizer_sharding``). A
+  leaf already sharded over the axes (ZeRO-2's, a slot) stays so.
+  """
+  data_axes = flax_zero_axes(params)
+  if not data_axes:
+    return grad_sum
+  data_axes |= set(shard_optimizer)
+
+  def unreduced(s):
+    over = data_axes - set(readers.spec_names(readers.plain_spec(s)))
+    if not over:
+      return s
+    return jax.sharding.reshard(
+        s, P(*readers.partitions(readers.full_spec(s)), unreduced=over))
+
+  return jax.tree.map(unreduced, flax_nnx.unwrap_variables(grad_sum))
 
 
 class MicroStep(NamedTuple):

@@ -32,7 +32,8 @@ reduce-scatters it straight into the shards of ``inner``'s state (one
 reduce-scatter per sharded leaf and update, no gradient-sized all-reduce);
 the updates are gathered back to the parameters' layout
 (``emit._laid_out_like``). ``tx.init`` lays the sums of such a tree out as
-every update call leaves them (:func:`unreduced_where_flax_shards`), so
+every update call leaves them
+(:func:`sum_layout.unreduced_where_flax_shards`), so
 that the state's type is the same before and after a call (one trace of
 the step); Flax would otherwise shard them as the Variables say, and the
 first call would change their layout.
@@ -44,7 +45,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._src import flax_nnx
 from optax_accum._src import validation
 from optax_accum._src.accumulate import microstep
 from optax_accum._src.accumulate import sum_layout
@@ -141,7 +141,7 @@ class ZeroSums(NamedTuple):
     grad_sum = start.cycle.grad_sum
     if self.gradient_sync == EVERY_MICROBATCH:
       grad_sum = sharded(grad_sum, self.data_axes)
-    grad_sum = unreduced_where_flax_shards(
+    grad_sum = sum_layout.unreduced_where_flax_shards(
         grad_sum, params, () if self.by_inner else self.data_axes)
     return start._replace(cycle=start.cycle._replace(grad_sum=grad_sum))
 
@@ -206,46 +206,6 @@ def note_for_matrices(e: Exception) -> None:
       " docs/distributed.md).")
 
 
-def _zero_axes(params: Any) -> frozenset[str]:
-  """The Explicit mesh axes that some Variable's ``optimizer_sharding``
-  shards the state over while its parameter is not sharded over them."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return frozenset()
-  values = jax.tree.leaves(flax_nnx.unwrap_variables(params))
-  named = {a for axes, value in zip(flax_nnx.optimizer_sharding_axes(params),
-                                    values)
-           for a in axes if a not in readers.spec_names(
-               readers.plain_spec(value))}
-  return frozenset(a for a in named if a in mesh.axis_names
-                   and readers.are_explicit(mesh, (a,)))
-
-
-def unreduced_where_flax_shards(
-    grad_sum: Any, params: Any, shard_optimizer: tuple[str, ...] = ()) -> Any:
-  """The first running sums: unreduced over ZeRO's axes where Variables of
-  ``params`` carry an ``optimizer_sharding`` over them (with those of
-  ``shard_optimizer``), else ``grad_sum``.
-
-  Each leaf is handed back as a plain array, which ``nnx.Optimizer`` keeps
-  as it is (a Variable would be resharded to its ``optimizer_sharding``). A
-  leaf already sharded over the axes (ZeRO-2's) stays so.
-  """
-  data_axes = _zero_axes(params)
-  if not data_axes:
-    return grad_sum
-  data_axes |= set(shard_optimizer)
-
-  def unreduced(s):
-    over = data_axes - set(readers.spec_names(readers.plain_spec(s)))
-    if not over:
-      return s
-    return jax.sharding.reshard(
-        s, P(*readers.partitions(readers.full_spec(s)), unreduced=over))
-
-  return jax.tree.map(unreduced, flax_nnx.unwrap_variables(grad_sum))
-
-
 def _shaped_like(tree: Any, structure: Any, shapes: list[Any]) -> bool:
   return (jax.tree.structure(tree) == structure
           and [jnp.shape(x) for x in jax.tree.leaves(tree)] == shapes)
@@ -265,7 +225,7 @@ def _shard_of(leaf: int, over: frozenset[str],
 def sharded_by_flax(params: Any) -> "ZeroSums | None":
   """At ``init``: ZeRO-1 by Flax, where ``params``' Variables carry an
   ``optimizer_sharding`` over Explicit axes that do not shard them."""
-  data_axes = _zero_axes(params)
+  data_axes = sum_layout.flax_zero_axes(params)
   if not data_axes:
     return None
   return ZeroSums(tuple(sorted(data_axes)), ONCE, typed_sums.TypedSums(),

@@ -78,10 +78,10 @@ def test_init_sums_of_optimizer_sharding_variables_are_unreduced():
     params = nnx.State({
         "w": nnx.Param(jnp.ones((N, 2)), optimizer_sharding=P("data", None)),
         "odd": nnx.Param(jnp.ones(3))})
-    sums = zero_sums.unreduced_where_flax_shards(
+    sums = sum_layout.unreduced_where_flax_shards(
         jax.tree.map(jnp.zeros_like, params), params)
     plain = {"w": jnp.zeros((N, 2))}
-    assert zero_sums.unreduced_where_flax_shards(plain, plain) is plain
+    assert sum_layout.unreduced_where_flax_shards(plain, plain) is plain
   assert {k: str(jax.typeof(v)) for k, v in sums.items()} == {
       "w": "float32[8,2]{U:data}", "odd": "float32[3]{U:data}"}
   assert not any(isinstance(v, nnx.Variable) for v in sums.values())
@@ -102,3 +102,17 @@ def test_init_picks_zero_by_flax_and_lays_its_sums_out_unreduced():
     assert update_call.layout_for(settings, {"w": jnp.ones(2)}) == (
         local_sums.SingleSums())
   assert str(jax.typeof(start.cycle.grad_sum["w"])) == "float32[8,2]{U:data}"
+
+
+def test_slots_of_optimizer_sharding_variables_are_plain_arrays():
+  """With axis_name the slots stay as they are laid out, as plain arrays:
+  a Variable would be resharded by its optimizer_sharding, slot axis and
+  all."""
+  settings = accumulate_parts.SETTINGS._replace(axis_name="data")
+  with jax.set_mesh(accumulate_parts.explicit_mesh()):
+    params = nnx.State({
+        "w": nnx.Param(jnp.ones((N, 2)), optimizer_sharding=P("data", None))})
+    start = update_call.layout_for(settings, params).init(
+        optax.sgd(1.0), params, settings)
+  assert not isinstance(start.cycle.grad_sum["w"], nnx.Variable)
+  assert str(jax.typeof(start.cycle.grad_sum["w"])) == "float32[8@data,8,2]"
