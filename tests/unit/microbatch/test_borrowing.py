@@ -30,6 +30,12 @@ _batch, _params, mean_loss = ragged.batch, ragged.params, ragged.mean_loss
 _token_losses = ragged.token_losses
 
 
+# One jitted loop of 4 for the tests that need no other: compiled once per
+# input type, not once per test.
+_value_and_grad = jax.jit(oa.value_and_grad(
+    mean_loss, num_microbatches=4, num_tokens_fn=helpers.num_tokens))
+
+
 def _expected(params, batch):
   return jax.value_and_grad(mean_loss)(params, batch)
 
@@ -40,18 +46,14 @@ def _expected(params, batch):
     [0, 0, 0, 0, 0, 0, 0, 2],  # only the last has tokens.
 ])
 def test_empty_micro_batches_add_nothing_with_an_embedding(lengths):
-  fn = jax.jit(oa.value_and_grad(mean_loss, num_microbatches=4,
-                                 num_tokens_fn=helpers.num_tokens))
-  loss, grads = fn(_params(), _batch(lengths))
+  loss, grads = _value_and_grad(_params(), _batch(lengths))
   expected_loss, expected_grads = _expected(_params(), _batch(lengths))
   np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
   helpers.assert_trees_close(grads, expected_grads, rtol=1e-5, atol=1e-7)
 
 
 def test_no_tokens_at_all_give_zeros_not_nan():
-  fn = jax.jit(oa.value_and_grad(mean_loss, num_microbatches=4,
-                                 num_tokens_fn=helpers.num_tokens))
-  loss, grads = fn(_params(), _batch([0] * 8))
+  loss, grads = _value_and_grad(_params(), _batch([0] * 8))
   assert float(loss) == 0.0
   helpers.assert_trees_equal(grads, jax.tree.map(jnp.zeros_like, _params()))
 
@@ -78,9 +80,8 @@ def test_only_real_micro_batches_are_borrowed(num_real):
   """Past ``num_real_microbatches`` nothing is run or borrowed: the sums
   are the real micro-batches' alone."""
   lengths = [0, 0, 3, 5, 1, 2, 4, 4]
-  fn = jax.jit(oa.value_and_grad(mean_loss, num_microbatches=4,
-                                 num_tokens_fn=helpers.num_tokens))
-  loss, grads = fn(_params(), _batch(lengths), num_real_microbatches=num_real)
+  loss, grads = _value_and_grad(_params(), _batch(lengths),
+                                num_real_microbatches=num_real)
   real = jax.tree.map(lambda x: x[:2 * num_real], _batch(lengths))
   if num_real == 1:  # no tokens in the real micro-batches at all.
     assert float(loss) == 0.0
@@ -145,9 +146,7 @@ def test_applies_only_where_no_micro_batch_output_is_its_own(setting,
 def test_float16_params_keep_the_select_and_stay_exact():
   params = jax.tree.map(lambda p: p.astype(jnp.float16), _params())
   lengths = [0, 0, 3, 5, 1, 0, 2, 4]
-  fn = jax.jit(oa.value_and_grad(mean_loss, num_microbatches=4,
-                                 num_tokens_fn=helpers.num_tokens))
-  _, grads = fn(params, _batch(lengths))
+  _, grads = _value_and_grad(params, _batch(lengths))
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
   f32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
   _, expected = _expected(f32, _batch(lengths))

@@ -7,6 +7,8 @@ mistake is a negative control of the passing ones: the same step, one line
 changed.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +48,9 @@ def _per_example_loss(params, mb):
   return per_example.mean()
 
 
+# Steps are cached by their arguments: the tests that build the same step
+# (the default ones above all) share its compilations.
+@functools.cache
 def _one_call_step(k, loss_fn=helpers.mlp_mean_loss, opt=None, **grad_kwargs):
   """The README's one-call loop: oa.value_and_grad, then the optimizer."""
   opt = opt or _optimizer()
@@ -67,6 +72,7 @@ def _one_call_state(opt=None):
   return params, (opt or _optimizer()).init(params)
 
 
+@functools.cache
 def _per_call_step(k, wrap=None, apply="update_and_apply",
                    loss_fn=helpers.mlp_mean_loss, num_tokens=helpers.num_tokens,
                    every_k=None, opt=None):
@@ -104,8 +110,12 @@ def _per_call_state(wrap=None, opt=None):
 # Correct steps pass.
 
 
-@pytest.mark.parametrize("apply", ["update_and_apply", "apply_if_updated",
-                                   "apply_updates"])
+# The two other ways to apply are update_and_apply's equals
+# (tests/unit/accumulate/test_applying.py): one form passing here suffices.
+@pytest.mark.parametrize("apply", [
+    "update_and_apply",
+    pytest.param("apply_if_updated", marks=pytest.mark.slow),
+    pytest.param("apply_updates", marks=pytest.mark.slow)])
 def test_the_per_call_step_passes(batch, apply):
   report = oa.check_k_invariance(
       lambda k: _per_call_step(k, apply=apply), _per_call_state(), batch)
