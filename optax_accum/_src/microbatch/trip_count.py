@@ -6,6 +6,7 @@
 ``n`` trips, a traced count that needs no recompilation
 (:func:`run_microbatches`); where :mod:`borrowing` applies, a while loop of
 ``k`` trips, none if no micro-batch has tokens (:func:`run_borrowing`).
+Each may run its last trip after the loop (:func:`peel`).
 """
 
 from typing import Any
@@ -61,18 +62,35 @@ def check_num_real(num_real: Any, num_microbatches: int) -> jax.Array | None:
   return jnp.clip(jnp.asarray(num_real, jnp.int32), 1, num_microbatches)
 
 
+def peel(loop, trip, step, state, stop, last_step=None):
+  """``loop(step, state, stop)``: the trips ``[0, stop)`` of ``step``, as
+  ``(carry, outputs)``; with ``last_step`` (the step of the last trip, from
+  the loop's carry) the last trip runs after the loop (:func:`peeled`), as
+  ``trip(last_step(carry), (carry, outputs), stop - 1)``.
+
+  The one form of the three runners below: each gives its loop and its
+  trip (which writes the trip's outputs beside the loop's).
+  """
+  if last_step is None:
+    return loop(step, state, stop)
+  state = loop(step, state, stop - 1)
+  last = jnp.int32(stop - 1) if isinstance(stop, int) else stop - 1
+  with jax.named_scope(names.PEELED_SCOPE):
+    return trip(last_step(state[0]), state, last)
+
+
 def run_borrowing(step, init, runs, num_microbatches, num_real,
                   last_step=None):
   """The loop of :mod:`borrowing`: it runs no micro-batch at all if every
   count is zero (their zero seeds would meet 0/0); ``runs`` says
   (``borrowing.plan``: a bad count runs it, to reach the sums).
 
-  With ``last_step`` (the step of the last trip, from the loop's result) the
-  last micro-batch runs after the loop (:func:`peeled`), whatever ``runs``
-  says: where it says none, its sums may be NaN, with a token count of
-  zero (``token_weighting.zeros_without_tokens`` reads them, after the
-  reduction: a select here, before it, had XLA's GPU compiler fuse the
-  leaves' selects into one and start no reduction before the last).
+  With ``last_step`` the last micro-batch runs after the loop
+  (:func:`peel`), whatever ``runs`` says: where it says none, its sums may
+  be NaN, with a token count of zero (``token_weighting.zeros_without_tokens``
+  reads them, after the reduction: a select here, before it, had XLA's GPU
+  compiler fuse the leaves' selects into one and start no reduction before
+  the last).
 
   It outputs nothing per micro-batch (borrowing applies only where nothing
   is stacked): the values' dtype and the (leafless) stacked aux are read
@@ -89,20 +107,18 @@ def run_borrowing(step, init, runs, num_microbatches, num_real,
       return carry
     return body
 
-  body = body_of(step)
-  peel = last_step is not None
-  looped = num_microbatches - 1 if peel else num_microbatches
-  if num_real is None:
-    carry = conditional_loops.trips_if(runs, body, looped, init)
-    last = jnp.int32(num_microbatches - 1)
-  else:  # a traced count: no reverse mode, as run_microbatches's.
-    stop = num_real - 1 if peel else num_real
-    carry = conditional_loops.trips(body, jnp.where(runs, 0, stop), stop,
-                                    init)
-    last = num_real - 1
-  if peel:
-    with jax.named_scope(names.PEELED_SCOPE):
-      carry = body_of(last_step(carry))(carry, last)
+  def loop(step, carry, stop):
+    if num_real is None:
+      return conditional_loops.trips_if(runs, body_of(step), stop, carry), None
+    # A traced count: no reverse mode, as run_microbatches's.
+    return conditional_loops.trips(body_of(step), jnp.where(runs, 0, stop),
+                                   stop, carry), None
+
+  def trip(step, state, index):
+    return body_of(step)(state[0], index), None
+
+  stop = num_microbatches if num_real is None else num_real
+  carry, _ = peel(loop, trip, step, init, stop, last_step)
   dtype, stacked = seen[-1]
   return carry, (jax.ShapeDtypeStruct((num_microbatches,), dtype), stacked)
 
@@ -114,19 +130,21 @@ def run_microbatches(step, init, num_microbatches, num_real,
   With ``num_real`` the loop is a ``lax.fori_loop`` with that traced trip
   count (an XLA while loop: the micro-batches past it are not computed, and
   another count needs no recompilation); the outputs of the skipped
-  micro-batches are zeros. With ``last_step`` (the step of the last trip,
-  from the loop's result) the last micro-batch (the ``num_real``-th) runs
-  after the loop (:func:`peeled`).
+  micro-batches are zeros. With ``last_step`` the last micro-batch (the
+  ``num_real``-th) runs after the loop (:func:`peel`).
   """
   indices = jnp.arange(num_microbatches)
-  if num_real is None and last_step is None:
-    return lax.scan(step, init, indices)
   if num_real is None:
-    carry, outs = lax.scan(step, init, indices[:-1])
-    with jax.named_scope(names.PEELED_SCOPE):
-      carry, last = last_step(carry)(carry, jnp.int32(num_microbatches - 1))
-    return carry, jax.tree.map(
-        lambda xs, x: jnp.concatenate([xs, x[None]]), outs, last)
+    def scan(step, carry, stop):
+      return lax.scan(step, carry,
+                      indices if stop == num_microbatches else indices[:stop])
+
+    def appended(step, state, index):
+      carry, last = step(state[0], index)
+      return carry, jax.tree.map(
+          lambda xs, x: jnp.concatenate([xs, x[None]]), state[1], last)
+
+    return peel(scan, appended, step, init, num_microbatches, last_step)
 
   def zeros(shape):
     spec = readers.explicit_spec(shape)
@@ -140,17 +158,13 @@ def run_microbatches(step, init, num_microbatches, num_real,
   stacked = jax.tree.map(
       zeros, jax.eval_shape(lambda: step(init, indices[0])[1]))
 
-  def body_of(step):
-    def body(index, state):
-      carry, stacked = state
-      carry, out = step(carry, index)
-      return carry, jax.tree.map(
-          lambda buf, x: lax.dynamic_update_index_in_dim(buf, x, index, 0),
-          stacked, out)
-    return body
+  def written(step, state, index):
+    carry, out = step(state[0], index)
+    return carry, jax.tree.map(
+        lambda buf, x: lax.dynamic_update_index_in_dim(buf, x, index, 0),
+        state[1], out)
 
-  if last_step is None:
-    return lax.fori_loop(0, num_real, body_of(step), (init, stacked))
-  state = lax.fori_loop(0, num_real - 1, body_of(step), (init, stacked))
-  with jax.named_scope(names.PEELED_SCOPE):
-    return body_of(last_step(state[0]))(num_real - 1, state)
+  def fori(step, state, stop):
+    return lax.fori_loop(0, stop, lambda i, s: written(step, s, i), state)
+
+  return peel(fori, written, step, (init, stacked), num_real, last_step)
