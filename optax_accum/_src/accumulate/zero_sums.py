@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._src import names
 from optax_accum._src import validation
 from optax_accum._src.accumulate import microstep
 from optax_accum._src.accumulate import sum_layout
@@ -53,10 +54,6 @@ from optax_accum._src.mesh import collectives
 from optax_accum._src.mesh import readers
 from optax_accum._src.mesh import zero
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
-
-ONCE = "once"
-EVERY_MICROBATCH = "every_microbatch"
-CHOICES = (ONCE, EVERY_MICROBATCH)
 
 
 class Zero(NamedTuple):
@@ -69,11 +66,11 @@ class Zero(NamedTuple):
 def check(shard_optimizer, gradient_sync, axis_name, with_stats,
           grad_reduction) -> Zero | None:
   """``shard_optimizer`` and ``gradient_sync``, checked together."""
-  if gradient_sync not in CHOICES:
+  if gradient_sync not in names.CHOICES:
     raise ValueError(
-        f"gradient_sync must be one of {CHOICES}, got {gradient_sync!r}.")
+        f"gradient_sync must be one of {names.CHOICES}, got {gradient_sync!r}.")
   if shard_optimizer is None:
-    if gradient_sync != ONCE:
+    if gradient_sync != names.ONCE:
       raise ValueError(
           f"gradient_sync={gradient_sync!r} shards the running sum over the"
           " data axes that shard_optimizer names (ZeRO-2): pass"
@@ -139,14 +136,14 @@ class ZeroSums(NamedTuple):
         params if self.by_inner else sharded(params, self.data_axes)),
                              params, settings)
     grad_sum = start.cycle.grad_sum
-    if self.gradient_sync == EVERY_MICROBATCH:
+    if self.gradient_sync == names.EVERY_MICROBATCH:
       grad_sum = sharded(grad_sum, self.data_axes)
     grad_sum = sum_layout.unreduced_where_flax_shards(
         grad_sum, params, () if self.by_inner else self.data_axes)
     return start._replace(cycle=start.cycle._replace(grad_sum=grad_sum))
 
   def add(self, incoming: sum_layout.Incoming, state, params, settings):
-    if self.gradient_sync == ONCE or self.base.local:
+    if self.gradient_sync == names.ONCE or self.base.local:
       return self.base.add(incoming, state, params, settings)
     return self._scatter_into_shards(incoming.grads, state, params,
                                      incoming.tokens, settings,
@@ -228,7 +225,7 @@ def sharded_by_flax(params: Any) -> "ZeroSums | None":
   data_axes = sum_layout.flax_zero_axes(params)
   if not data_axes:
     return None
-  return ZeroSums(tuple(sorted(data_axes)), ONCE, typed_sums.TypedSums(),
+  return ZeroSums(tuple(sorted(data_axes)), names.ONCE, typed_sums.TypedSums(),
                   by_inner=True)
 
 
@@ -260,5 +257,5 @@ def sharded_by_inner(inner_state: Any, updates: Any,
                             for a in readers.spec_names(spec) if a in over}))
   specs = [readers.plain_spec(s) if spec is None else spec
            for s, spec in zip(jax.tree.leaves(grad_sum), shards)]
-  return ZeroSums(data_axes, ONCE, typed_sums.TypedSums(),
+  return ZeroSums(data_axes, names.ONCE, typed_sums.TypedSums(),
                   shards=jax.tree.unflatten(structure, specs), by_inner=True)

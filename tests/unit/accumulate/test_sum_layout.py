@@ -24,6 +24,7 @@ import accumulate_parts
 from accumulate_parts import N
 import helpers
 import optax_accum as oa
+from optax_accum._src import names
 from optax_accum._src.accumulate import emit
 from optax_accum._src.accumulate import local_sums
 from optax_accum._src.accumulate import outputs
@@ -101,7 +102,7 @@ def test_only_the_single_form_reads_its_sums_as_they_are():
   the form whose ``reduced`` is the identity, and for no other."""
   layouts = [local_sums.SingleSums(), local_sums.ManualSums("data"),
              typed_sums.TypedSums(), slot_sums.SlotSums("data"),
-             zero_sums.ZeroSums(("data",), zero_sums.ONCE,
+             zero_sums.ZeroSums(("data",), names.ONCE,
                                 local_sums.SingleSums())]
   assert [layout.local for layout in layouts] == [True] + [False] * 4
   cycle = sum_layout.Cycle({"w": jnp.ones(2)}, jnp.float32(3.0), None,

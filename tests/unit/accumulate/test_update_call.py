@@ -20,6 +20,7 @@ import pytest
 import accumulate_parts
 from accumulate_parts import N
 import optax_accum as oa
+from optax_accum._src import names
 from optax_accum._src.accumulate import local_sums
 from optax_accum._src.accumulate import slot_sums
 from optax_accum._src.accumulate import typed_sums
@@ -27,7 +28,7 @@ from optax_accum._src.accumulate import update_call
 from optax_accum._src.accumulate import zero_sums
 
 WHOLE = {"w": jnp.zeros(2)}
-ZERO1 = zero_sums.Zero(("data",), zero_sums.ONCE)
+ZERO1 = zero_sums.Zero(("data",), names.ONCE)
 
 
 def _decide(axis_name, zero, updates, grad_sum, inner_state):
@@ -60,16 +61,16 @@ def test_under_jit_the_types_and_the_settings_decide():
     assert _decide("data", None, partials, WHOLE, ()) == slot_sums.SlotSums(
         "data")
     assert _decide(None, ZERO1, partials, WHOLE, ()) == zero_sums.ZeroSums(
-        ("data",), zero_sums.ONCE, typed_sums.TypedSums())
+        ("data",), names.ONCE, typed_sums.TypedSums())
     assert _decide(None, ZERO1, WHOLE, WHOLE, ()) == zero_sums.ZeroSums(
-        ("data",), zero_sums.ONCE, local_sums.SingleSums())
+        ("data",), names.ONCE, local_sums.SingleSums())
     # An inner state sharded over the gradients' unreduced axes (Flax's
     # optimizer_sharding): ZeRO-1 on its shards.
     rows = {"w": accumulate_parts.unreduced_from_slots(
         jax.device_put(np.ones((N, N), np.float32), P("data")))}
     moments = {"w": jax.device_put(jnp.zeros(N), P("data"))}
     assert _decide(None, None, rows, rows, moments) == (
-        zero_sums.ZeroSums(("data",), zero_sums.ONCE, typed_sums.TypedSums(),
+        zero_sums.ZeroSums(("data",), names.ONCE, typed_sums.TypedSums(),
                            shards={"w": P("data")}, by_inner=True))
 
 
@@ -82,7 +83,7 @@ def test_init_lays_out_the_form_the_same_chooser_picks():
                                 WHOLE) == slot_sums.SlotSums("data")
   with jax.set_mesh(accumulate_parts.explicit_mesh()):
     assert update_call.layout_for(settings._replace(zero=ZERO1), WHOLE) == (
-        zero_sums.ZeroSums(("data",), zero_sums.ONCE, local_sums.SingleSums()))
+        zero_sums.ZeroSums(("data",), names.ONCE, local_sums.SingleSums()))
 
 
 def test_inside_shard_map_the_form_is_manual():

@@ -18,6 +18,7 @@ import optax
 import accumulate_parts
 from accumulate_parts import N
 import helpers
+from optax_accum._src import names
 from optax_accum._src.accumulate import local_sums
 from optax_accum._src.accumulate import sum_layout
 from optax_accum._src.accumulate import typed_sums
@@ -51,7 +52,7 @@ def test_the_moments_shards_are_the_emits_targets():
     state = _adam_state({"w": P(None, "data"), "odd": P()})
     layout = zero_sums.sharded_by_inner(state, partials, partials)
     assert layout == zero_sums.ZeroSums(
-        ("data",), zero_sums.ONCE, typed_sums.TypedSums(),
+        ("data",), names.ONCE, typed_sums.TypedSums(),
         shards={"w": P(None, "data"), "odd": P(None)}, by_inner=True)
     cycle = sum_layout.Cycle(partials, jnp.float32(1.0), None, None)
     reduced = jax.jit(layout.reduced, static_argnums=1)(cycle, None)
@@ -96,7 +97,7 @@ def test_init_picks_zero_by_flax_and_lays_its_sums_out_unreduced():
         "w": nnx.Param(jnp.ones((N, 2)), optimizer_sharding=P("data", None)),
         "odd": nnx.Param(jnp.ones(3))})
     layout = update_call.layout_for(settings, params)
-    assert layout == zero_sums.ZeroSums(("data",), zero_sums.ONCE,
+    assert layout == zero_sums.ZeroSums(("data",), names.ONCE,
                                         typed_sums.TypedSums(), by_inner=True)
     start = layout.init(optax.sgd(1.0), params, settings)
     assert update_call.layout_for(settings, {"w": jnp.ones(2)}) == (

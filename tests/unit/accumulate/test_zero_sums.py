@@ -17,6 +17,7 @@ import pytest
 import accumulate_parts
 from accumulate_parts import N
 import helpers
+from optax_accum._src import names
 from optax_accum._src.accumulate import local_sums
 from optax_accum._src.accumulate import state as state_lib
 from optax_accum._src.accumulate import sum_layout
@@ -26,7 +27,7 @@ from optax_accum._src.accumulate import zero_sums
 pytestmark = accumulate_parts.needs_unreduced_types
 
 SETTINGS = accumulate_parts.SETTINGS
-ONCE, EVERY = zero_sums.ONCE, zero_sums.EVERY_MICROBATCH
+ONCE, EVERY = names.ONCE, names.EVERY_MICROBATCH
 # "w" is sharded over "data" (8 rows); "odd" (3 entries) is kept whole.
 PARTS = {"w": np.arange(N * N * 2, dtype=np.float32).reshape(N, N, 2),
          "odd": np.arange(N * 3, dtype=np.float32).reshape(N, 3)}
