@@ -18,6 +18,7 @@ import optax
 import optax_accum as oa
 from optax_accum._src.compiled import hlo
 from zoo import compile_only as co
+from zoo import peers
 from zoo import typed_model as tm
 
 
@@ -72,6 +73,7 @@ def gpu_report() -> dict:
         "pos_bytes": cfg.seq * cfg.dim * 4,
         "replicated_bytes": co.replicated_bytes(params, names[0]),
     }
+  out["scan_peaks"] = _scan_peaks(devices)
   out["zero"] = _zero_report(devices)
   out["emit"] = {
       name: {kind: co.emit_peak(devices[0], kind, opt)
@@ -113,6 +115,29 @@ def _zero_report(devices) -> dict:
         "peak": compiled.memory_analysis().peak_memory_in_bytes,
     }
   return out
+
+
+def _scan_peaks(devices) -> dict:
+  """On a data-only mesh, an embedding-heavy decoder (vocabulary 32768,
+  width 512, one layer, k = 4): the peak of the default path and of the
+  hand-written token-weighted scan (zoo/peers.py), compiled alike."""
+  mesh_ = co.mesh(devices, (8,), ("data",))
+  cfg = tm.Config(vocab=32768, seq=128, dim=512, heads=4, ffn=1024,
+                  layers=1, batch_axes=("data",))
+  params = co.abstract(jax.eval_shape(lambda: tm.init(cfg)), mesh_,
+                       tm.specs(cfg))
+  data = jax.eval_shape(lambda: tm.batch(cfg, 64))
+  data = co.abstract(data, mesh_, jax.tree.map(lambda _: P("data"), data))
+  peaks = {}
+  for name, fn in (
+      ("typed", oa.value_and_grad(tm.loss_fn(cfg), num_microbatches=4,
+                                  num_tokens_fn=tm.num_tokens)),
+      ("scan", peers.token_weighted_scan(tm.loss_fn(cfg), 4, ("data",), 8))):
+    with jax.set_mesh(mesh_), warnings.catch_warnings():
+      warnings.simplefilter("ignore", UserWarning)
+      compiled = jax.jit(fn).lower(params, data).compile()
+    peaks[name] = compiled.memory_analysis().peak_memory_in_bytes
+  return peaks
 
 
 def _elements_of(c) -> int:

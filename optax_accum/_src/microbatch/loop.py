@@ -3,7 +3,8 @@
 :func:`program` gives the runner (:mod:`runner`) this module's stages: *local*
 runs :func:`loop` on the loop's batch (one device's, or the global one) and
 hands its sums over as :class:`layout.Partials`; *finalize* turns the
-reduced sums into the means (:func:`finish_loop`). The sums follow the
+reduced sums into the means (:func:`finish_loop`), or casts the means
+already divided before the reduction (:func:`divides_first`). The sums follow the
 token-weighting rule of ``token_weighting``; aux is stacked or reduced in the
 carry (``aux_reduction``); the noise-scale sums ride along with
 ``with_stats``. Where parameters are held and gradients summed is the
@@ -263,11 +264,12 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
 
 
 def finish_loop(sums: Sums, out: LoopOut, params,
-           lay: layout.Layout) -> layout.Result:
+           lay: layout.Layout, divided: bool = False) -> layout.Result:
   """The loss, gradient, aux and stats from the (device-reduced) sums.
 
   ``lay.sq_norms`` gives the squared norm of each stats group of a reduced
-  gradient (summed over its shards, if sharded).
+  gradient (summed over its shards, if sharded). ``divided``: the "mean"
+  leaves of ``sums.grads`` are means already (:func:`divides_first`).
   """
   if out.nan_without_tokens:  # after the reduction: it may start earlier.
     sums = sums._replace(
@@ -277,12 +279,13 @@ def finish_loop(sums: Sums, out: LoopOut, params,
             sums=token_weighting.zeros_without_tokens(sums.aux.sums,
                                                       sums.tokens)))
   grads = grad_reduction_lib.mean_by_rule(sums.grads, sums.tokens, params,
-                                    out.grad_rules)
+                                    out.grad_rules, divided)
   stats = None
   if sums.stats is not None:
     # The norm of the mean in the accumulator's precision, not the params'.
-    exact = grad_reduction_lib.only_means(token_weighting.mean(
-        sums.grads, sums.tokens, sums.grads), out.grad_rules)
+    exact = grad_reduction_lib.only_means(sums.grads if divided else (
+        token_weighting.mean(sums.grads, sums.tokens, sums.grads)),
+        out.grad_rules)
     stats = noise_scale.estimate_from_groups(
         sums.stats, lay.sq_norms(exact), sums.tokens)
   loss = token_weighting.mean(
@@ -310,8 +313,32 @@ def _partials(sums: Sums, out: LoopOut) -> layout.Partials:
       maxima=maxima, minima=minima, means=out.model_state, rest=out)
 
 
+def divides_first(opts: Options, lay: layout.Layout) -> bool:
+  """Whether each device's partial sum of a "mean" leaf is divided by the
+  token count before the one reduction over devices, not after it.
+
+  Where the loop sees the global batch (``lay.device_axis`` is None), its
+  token count is the global one before the reduction: the division may come
+  first, and XLA then reduces each leaf's mean in place. Divided after the
+  reduction, XLA's GPU compiler held reduced sums beside their means, above
+  the peak of a hand-written scan on a data-only mesh
+  (benchmarks/results/divide_first.md). Not where the last micro-batch runs
+  after the loop (:func:`trip_count.peeled`): there it raised the peak.
+  """
+  return lay.device_axis is None and not trip_count.peeled(
+      opts.overlap_reduction, opts.num_microbatches,
+      lay.reduces_only_after_loop())
+
+
+def _divided(sums: Sums, out: LoopOut) -> Sums:
+  """The sums with each "mean" leaf divided by the token count, in the
+  accumulator's dtype (:func:`divides_first`)."""
+  return sums._replace(grads=grad_reduction_lib.divide_means(
+      sums.grads, sums.tokens, out.grad_rules))
+
+
 def _finalize(partials: layout.Partials, params,
-              lay: layout.Layout) -> layout.Result:
+              lay: layout.Layout, divided: bool = False) -> layout.Result:
   """:func:`finish_loop` on the (reduced) :class:`layout.Partials`."""
   loss, tokens, aux_sums, stats = partials.sums
   out = partials.rest._replace(model_state=partials.means)
@@ -320,7 +347,7 @@ def _finalize(partials: layout.Partials, params,
     running = aux_reduction_lib.join_extrema(
         aux_sums, out.plan.reductions, partials.maxima, partials.minima)
   sums = Sums(partials.grads, loss, tokens, running, stats)
-  return finish_loop(sums, out, params, lay)
+  return finish_loop(sums, out, params, lay, divided)
 
 
 def _shards_ok(opts: Options, params) -> list[bool]:
@@ -338,8 +365,14 @@ def program(loss, opts: Options) -> layout.Program:
   """The runner's :class:`layout.Program` of one ``value_and_grad``."""
 
   def local(params, inputs, lay):
-    return _partials(*loop(loss, opts, params, inputs, lay))
+    sums, out = loop(loss, opts, params, inputs, lay)
+    if divides_first(opts, lay):
+      sums = _divided(sums, out)
+    return _partials(sums, out)
 
-  return layout.Program(local=local, finalize=_finalize, aux_axis=1,
+  def finalize(partials, params, lay):
+    return _finalize(partials, params, lay, divides_first(opts, lay))
+
+  return layout.Program(local=local, finalize=finalize, aux_axis=1,
                         new_aux_axis=False,
                         shards_ok=lambda params: _shards_ok(opts, params))

@@ -126,14 +126,26 @@ def add_by_rule(total: Any, grads: Any, c: token_weighting.Contribution,
   return _map(add_leaf, rules, total, grads)
 
 
+def divide_means(total: Any, token_count: jax.Array,
+                 rules: list[str] | None) -> Any:
+  """``total`` with its "mean" leaves divided by the token count (zeros
+  without tokens), each in its own dtype; "max" and "last" leaves as is."""
+  means = token_weighting.mean(total, token_count, total)
+  if rules is None:
+    return means
+  return _map(lambda r, m, s: m if r == MEAN else s, rules, means, total)
+
+
 def mean_by_rule(total: Any, token_count: jax.Array, like: Any,
-           rules: list[str] | None) -> Any:
+           rules: list[str] | None, divided: bool = False) -> Any:
   """The reduced gradient, cast leaf by leaf like ``like``.
 
-  "mean" leaves are divided by the token count; "max" and "last" leaves are
-  as they are, or zeros without tokens.
+  "mean" leaves are divided by the token count (or, ``divided``, were
+  already: :func:`divide_means`); "max" and "last" leaves are as they are,
+  or zeros without tokens.
   """
-  means = token_weighting.mean(total, token_count, like)
+  means = token_weighting.mean(  # divided: cast only (x / 1 is x).
+      total, jnp.ones_like(token_count) if divided else token_count, like)
   if rules is None:
     return means
 
