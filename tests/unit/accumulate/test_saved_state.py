@@ -71,7 +71,8 @@ def _save_and_restore(path, tree, target):
 
 
 @pytest.mark.filterwarnings("ignore:1 parameter leaves cannot be typed")
-@pytest.mark.parametrize("sync", ["once", "every_microbatch"])
+@pytest.mark.parametrize("sync", [
+    "once", pytest.param("every_microbatch", marks=pytest.mark.slow)])
 def test_a_mid_cycle_zero_checkpoint_resumes_bit_for_bit(tmp_path, sync):
   tx = _zero(sync)
   micro_step = helpers.deferred_micro_step(helpers.zero_mlp_loss, tx)

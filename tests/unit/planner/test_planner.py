@@ -190,6 +190,7 @@ def test_bad_arguments_are_named_before_compiling():
     oa.plan_microbatches(_loss, *host, memory_budget=1, axis_name="data")
 
 
+@pytest.mark.slow  # examples/plan.py end to end: the slow tier's.
 def test_plan_example_prints_a_plan_per_budget(capsys):
   example = helpers.import_example("plan")
   result = example.main([
