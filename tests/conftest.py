@@ -23,7 +23,10 @@ the guides run end to end, several processes, the benchmarks, the programs
 compiled for TPU and GPU, and the tests and parametrized variants measured
 slowest (about 2 s or more each on 2 CPU cores).
 ``python -m pytest -q -m slow`` runs those alone, ``-m ""`` both; CI runs
-the first in both of its environments and the second once.
+the first in both of its environments and the second once. Both run in two
+processes (pytest-xdist, ``-n 2 --dist loadfile`` in ``addopts``: a module's
+tests and its module-scoped compilations stay in one process); ``-n 0`` runs
+one.
 """
 
 import importlib.util

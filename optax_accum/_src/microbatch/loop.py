@@ -4,10 +4,10 @@
 runs :func:`loop` on the loop's batch (one device's, or the global one) and
 hands its sums over as :class:`layout.Partials`; *finalize* turns the
 reduced sums into the means (:func:`finish_loop`), or casts the means
-already divided before the reduction (:func:`divides_first`). The sums follow the
-token-weighting rule of ``token_weighting``; aux is stacked or reduced in the
-carry (``aux_reduction``); the noise-scale sums ride along with
-``with_stats``. Where parameters are held and gradients summed is the
+already divided before the reduction (:func:`divides_first`). The sums
+follow the token-weighting rule of ``token_weighting``; aux is stacked or
+reduced in the carry (``aux_reduction``); the noise-scale sums ride along
+with ``with_stats``. Where parameters are held and gradients summed is the
 call's :class:`layout.Layout`'s business: the loop only calls it. Where
 :mod:`borrowing` applies, each gradient leaves the backward pass weighted.
 How many trips the loop runs (all k, the first ``num_real_microbatches``,
