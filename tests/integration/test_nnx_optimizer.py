@@ -76,16 +76,7 @@ def test_two_updates_of_four_micro_batches_follow_the_full_batch():
 
 
 def test_the_step_is_k_invariant_its_step_count_too():
-  def make_step(k):
-    def step(state, batch):
-      model, optimizer = state
-      optimizer.tx = oa.accumulate(optax.adamw(1e-2), every_k=k)
-      for mb in helpers.split(batch, k):
-        _micro_step(model, optimizer, mb)
-      return model, optimizer
-
-    return step
-
+  make_step = helpers.optimizer_k_step(_micro_step)
   model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
   report = oa.check_k_invariance(make_step, (model, _accumulating(model, 1)),
                                  _batch(3))

@@ -165,6 +165,25 @@ def split(batch, num_microbatches: int):
 # Tree comparison.
 
 
+def optimizer_k_step(micro_step, learning_rate=1e-2):
+  """``make_step(k)`` for ``oa.check_k_invariance`` on a ``(model,
+  optimizer)`` state: the optimizer's ``tx`` set to accumulate adamw over k,
+  ``micro_step(model, optimizer, mb)`` run on each of the batch's k
+  micro-batches."""
+
+  def make_step(k):
+    def step(state, batch):
+      model, optimizer = state
+      optimizer.tx = oa.accumulate(optax.adamw(learning_rate), every_k=k)
+      for mb in split(batch, k):
+        micro_step(model, optimizer, mb)
+      return model, optimizer
+
+    return step
+
+  return make_step
+
+
 def assert_trees_close(actual, expected, *, rtol=1e-6, atol=0.0):
   """Leaf by leaf ``|actual - expected| <= atol + rtol * |expected|``."""
   chex.assert_trees_all_close(actual, expected, rtol=rtol, atol=atol)

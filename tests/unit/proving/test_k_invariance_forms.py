@@ -68,16 +68,7 @@ def test_an_nnx_optimizer_in_the_state_passes(batch):
     optimizer.update(model, nnx.grad(_loss)(model, mb),
                      num_tokens=mb["mask"].sum())
 
-  def make_step(k):
-    def step(state, batch):
-      model, optimizer = state
-      optimizer.tx = oa.accumulate(optax.adamw(1e-2), every_k=k)
-      for mb in helpers.split(batch, k):
-        micro_step(model, optimizer, mb)
-      return model, optimizer
-
-    return step
-
+  make_step = helpers.optimizer_k_step(micro_step)
   model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, oa.accumulate(optax.adamw(1e-2), every_k=1),
                             wrt=nnx.Param)
