@@ -2,7 +2,9 @@
 
 (a) full batch: one gradient of the whole batch per optimizer step;
 (b) optax_accum: ``k`` micro-batches, one ``optimizer.update(model, grads,
-    num_tokens=n)`` call each, with ``oa.accumulate`` in an ``nnx.Optimizer``;
+    num_tokens=n)`` call each, with ``oa.accumulate`` in an
+    ``oa.AccumulatingOptimizer`` (an ``nnx.Optimizer`` that applies the
+    update only on the call that emits);
 (c) naive: the same micro-batches through ``optax.MultiSteps``, which averages
     the micro-batches' mean-loss gradients (a "mean of means").
 
@@ -106,8 +108,10 @@ def make_runs(args: argparse.Namespace) -> tuple[dict, dict]:
       "accumulate": oa.accumulate(tx, every_k=args.k),
       "naive": optax.MultiSteps(tx, every_k_schedule=args.k),
   }
-  optimizers = {run: nnx.Optimizer(models[run], inner[run], wrt=nnx.Param)
-                for run in RUNS}
+  optimizers = {
+      run: (oa.AccumulatingOptimizer if run == "accumulate" else
+            nnx.Optimizer)(models[run], inner[run], wrt=nnx.Param)
+      for run in RUNS}
   return models, optimizers
 
 

@@ -222,7 +222,8 @@ def test_batchnorm_linen_batch_norm_is_reported_even_ignoring_its_stats():
   assert "batch_stats" not in report.worst, f"\n{report}"
 
 
-# train_lm/: an nnx.Optimizer, one nnx.jit call per micro-batch.
+# train_lm/: an oa.AccumulatingOptimizer (the naive run: an nnx.Optimizer),
+# one nnx.jit call per micro-batch.
 
 
 def _train_lm_report(naive: bool):
@@ -254,7 +255,8 @@ def _train_lm_report(naive: bool):
   model = train.model_lib.Transformer(
       vocab_size=data.VOCAB_SIZE, seq_len=seq_len, dim=8, num_heads=1,
       num_layers=1, rngs=nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, make_tx(1), wrt=nnx.Param)
+  optimizer = (nnx.Optimizer if naive else oa.AccumulatingOptimizer)(
+      model, make_tx(1), wrt=nnx.Param)
   _committed(model, optimizer)
   # One update first: the warm-up's learning rate is 0 at the first one.
   make_step(1)((model, optimizer), warm_up)
