@@ -62,6 +62,9 @@ class ReductionOverlap(NamedTuple):
       before the program's last matrix multiply.
     total_bytes: the bytes of all of them.
     reductions: each of them, in the order they start.
+    last_matmul_in_loop: whether the program's last matrix multiply is in a
+      loop (a ``while``): a micro-batch loop that keeps the last micro-batch,
+      or a model's scanned layers.
   """
 
   overlapped_share: float
@@ -69,19 +72,57 @@ class ReductionOverlap(NamedTuple):
   overlapped_bytes: int
   total_bytes: int
   reductions: tuple[ScheduledReduction, ...]
+  last_matmul_in_loop: bool = False
+
+  @property
+  def why_not_hidden(self) -> tuple[str, ...]:
+    """Why the bytes not overlapped are not, one line per cause (empty
+    where all are): synchronous reductions, and asynchronous ones that
+    start after the last matrix multiply, behind a loop or not."""
+    late = [r for r in self.reductions if not r.overlapped]
+    sync = [r for r in late if not r.asynchronous]
+    after = [r for r in late if r.asynchronous]
+    why = []
+    if sync:
+      why.append(
+          f"{_share(sync, self.total_bytes)} in {len(sync)} synchronous"
+          " reductions: the compiler runs them alone (on TPUs, asynchronous"
+          " all-reduces need LIBTPU_INIT_ARGS flags: docs/performance.md).")
+    if after and self.last_matmul_in_loop:
+      why.append(
+          f"{_share(after, self.total_bytes)} in {len(after)} reductions"
+          " that start after the last matrix multiply, which is in a loop:"
+          " a sum that loop produces is final only when it ends (the"
+          " micro-batch loop keeping its last micro-batch, as"
+          " overlap_reduction=False does, or a model's scanned layers,"
+          " whose stacked leaves' gradients the backward loop finishes"
+          " together).")
+    elif after:
+      why.append(
+          f"{_share(after, self.total_bytes)} in {len(after)} reductions"
+          " that start after the last matrix multiply: gradients the"
+          " backward finishes last (commonly the token embedding's"
+          " scatter-add and the output projection's weight gradient, which"
+          " XLA may schedule last).")
+    return tuple(why)
 
   def __str__(self) -> str:
     if not self.num_reductions:
       return "no gradient-sized reduction outside loops"
     asynchronous = sum(r.asynchronous for r in self.reductions)
     flops = sum(r.flops_between for r in self.reductions)
-    return (
+    return "\n  not hidden: ".join((
         f"{self.overlapped_share:.1%} of {self.total_bytes / 2**20:.2f} MiB"
         f" of gradient reduction overlapped: {self.num_reductions} reductions,"
         f" {asynchronous} asynchronous,"
         f" {sum(r.overlapped for r in self.reductions)} of those started"
         f" before the last matrix multiply, {flops / 1e9:.3g} GFLOP between"
-        " their starts and dones")
+        " their starts and dones", *self.why_not_hidden))
+
+
+def _share(reductions, total: int) -> str:
+  nbytes = sum(r.nbytes for r in reductions)
+  return f"{nbytes / total:.1%} of the bytes ({nbytes / 2**20:.2f} MiB)"
 
 
 class _Collective(NamedTuple):
@@ -237,7 +278,9 @@ def reduction_overlap(
 
   Returns:
     A :class:`ReductionOverlap`: ``overlapped_share`` (the overlapped bytes
-    over all), ``num_reductions`` and each :class:`ScheduledReduction`.
+    over all), ``num_reductions``, each :class:`ScheduledReduction`, and
+    ``why_not_hidden``, a line per cause of the bytes not overlapped
+    (printed with the report).
 
   Examples:
     >>> import optax_accum as oa
@@ -279,6 +322,8 @@ def reduction_overlap(
                 for opcode, rest, line in computations[entry_name]]
   last_matmul = max((i for i, w in enumerate(entry_work) if w.matmuls),
                     default=-1)
+  in_loop = last_matmul >= 0 and computations[entry_name][last_matmul][
+      0] == "while"
   positions = None if mesh is None else hlo.logical_to_mesh_position(
       devices, mesh)
   found = [r for span in _spans(entry_name, computations)
@@ -288,4 +333,4 @@ def reduction_overlap(
   total = sum(r.nbytes for r in found)
   overlapped = sum(r.nbytes for r in found if r.overlapped)
   return ReductionOverlap(overlapped / total if total else 0.0, len(found),
-                          overlapped, total, tuple(found))
+                          overlapped, total, tuple(found), in_loop)

@@ -181,10 +181,8 @@ def test_xla_tpu_asynchronous_collective_fusions_count_once():
   assert reduction.overlapped and reduction.flops_between == _DOT_FLOPS
 
 
-def test_a_loop_of_matmuls_is_the_last_and_its_reductions_are_left_out():
-  """A scan's backward: the reduction after it is not overlapped; one in
-  its body runs once per iteration and is not this report's."""
-  loop = """\
+# A loop of three trips whose body multiplies and all-reduces.
+_LOOP = """\
 %body (p: (s32[], f32[64,64])) -> (s32[], f32[64,64]) {
   %p = (s32[], f32[64,64]) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
@@ -199,16 +197,64 @@ def test_a_loop_of_matmuls_is_the_last_and_its_reductions_are_left_out():
   ROOT %c = pred[] constant(true)
 }
 """
+
+
+def test_a_loop_of_matmuls_is_the_last_and_its_reductions_are_left_out():
+  """A scan's backward: the reduction after it is not overlapped; one in
+  its body runs once per iteration and is not this report's."""
   report = oa.reduction_overlap(_module("""\
   %start = f32[64,64] all-reduce-start(%w), replica_groups={}
   %loop = (s32[], f32[64,64]) while(%init), condition=%cond, body=%body, """
       """backend_config={"known_trip_count":{"n":"3"}}
   ROOT %done = f32[64,64] all-reduce-done(%start)
-""", loop))
+""", _LOOP))
   (reduction,) = report.reductions
   assert reduction.name == "start"
   assert reduction.flops_between == 3 * 2 * 64 * 64 * 64  # 3 trips.
   assert reduction.overlapped  # it runs beside the loop.
+
+
+def test_why_not_hidden_names_a_loop_that_ends_with_the_last_matmul():
+  """A reduction after the loop holding the last matmul: the loop is why
+  (the micro-batch loop kept whole, or scanned layers)."""
+  report = oa.reduction_overlap(_module("""\
+  %loop = (s32[], f32[64,64]) while(%init), condition=%cond, body=%body
+  %start = f32[64,64] all-reduce-start(%w), replica_groups={}
+  ROOT %done = f32[64,64] all-reduce-done(%start)
+""", _LOOP))
+  assert report.last_matmul_in_loop and report.overlapped_share == 0.0
+  (why,) = report.why_not_hidden
+  assert why.startswith("100.0% of the bytes (0.02 MiB) in 1 reductions")
+  assert "in a loop" in why and "overlap_reduction=False" in why
+  assert "not hidden: 100.0%" in str(report)
+
+
+def test_why_not_hidden_tells_synchronous_from_late_reductions():
+  """One synchronous reduction before the last dot, one asynchronous after
+  it, one overlapped: two causes, by their bytes."""
+  report = oa.reduction_overlap(_module("""\
+  %ar = f32[32,64] all-reduce(%v), replica_groups={}
+  %start = f32[64,64] all-reduce-start(%w), replica_groups={}
+""" + _DOTS + """\
+  %done = f32[64,64] all-reduce-done(%start)
+  %late = f32[32,64] all-reduce-start(%v), replica_groups={}
+  ROOT %late_done = f32[32,64] all-reduce-done(%late)
+"""))
+  assert not report.last_matmul_in_loop
+  assert report.overlapped_share == pytest.approx(0.5)
+  sync, late = report.why_not_hidden
+  assert sync.startswith("25.0% of the bytes") and "synchronous" in sync
+  assert "LIBTPU_INIT_ARGS" in sync
+  assert late.startswith("25.0% of the bytes") and "embedding" in late
+
+
+def test_nothing_to_say_where_every_reduction_is_hidden():
+  report = oa.reduction_overlap(_module("""\
+  %start = f32[64,64] all-reduce-start(%w), replica_groups={}
+""" + _DOTS + """\
+  ROOT %done = f32[64,64] all-reduce-done(%start)
+"""))
+  assert report.why_not_hidden == () and "not hidden" not in str(report)
 
 
 def test_cublas_gemms_are_matrix_multiplies():
@@ -257,3 +303,21 @@ def test_what_it_cannot_read_is_named():
     oa.reduction_overlap(_module(_DOTS), min_bytes=-1)
   with pytest.raises(ValueError, match="data_axes"):
     oa.reduction_overlap(_module(_DOTS), data_axes="data")
+
+
+def test_a_compiled_step_on_the_cpu_says_its_reductions_are_synchronous():
+  """The CPU backend runs every all-reduce synchronously: the report says
+  so for a real step of the loop kept whole (the default)."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(
+      jax.sharding.AxisType.Explicit,))
+  params = {"w": jax.numpy.ones((16, 16))}
+  batch = jax.numpy.ones((32, 16))
+  loss = lambda p, x: jax.numpy.mean(jax.numpy.tanh(x @ p["w"]) ** 2)
+  step = oa.value_and_grad(loss, num_microbatches=4, equal_weights=True)
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(step).lower(
+        params, jax.device_put(batch, jax.P("data"))).compile()
+  report = oa.reduction_overlap(compiled)
+  assert report.num_reductions == 1 and report.overlapped_share == 0.0
+  (why,) = report.why_not_hidden
+  assert why.startswith("100.0% of the bytes") and "synchronous" in why
