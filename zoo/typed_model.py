@@ -35,6 +35,9 @@ class Config(NamedTuple):
   # The positional embedding broadcast to the activations' sharding before
   # the add, so that JAX types it reduced too (no leaf kept replicated).
   pos_broadcast: bool = False
+  # The layers' weights stacked, one array per weight with a leading layer
+  # axis, and the blocks run by ``jax.lax.scan`` (one compiled body).
+  scan_layers: bool = False
 
 
 def specs(cfg: Config) -> dict[str, Any]:
@@ -48,10 +51,14 @@ def specs(cfg: Config) -> dict[str, Any]:
       "up": P(f, t),  # (dim, ffn)
       "down": P(t, f),  # (ffn, dim)
   }
+  if cfg.scan_layers:  # (layers, ...): the leading axis unsharded.
+    layers = {name: P(None, *spec) for name, spec in layer.items()}
+  else:
+    layers = [layer] * cfg.layers
   return {
       "embed": P(None, t),  # (vocab, dim)
       "pos": P(None, None),  # (seq, dim): added elementwise.
-      "layers": [layer] * cfg.layers,
+      "layers": layers,
       "final_norm": P(None),
       "unembed": P(f, None),  # (dim, vocab)
   }
@@ -75,10 +82,15 @@ def init(cfg: Config, seed: int = 0) -> dict[str, Any]:
         "down": normal(cfg.ffn, cfg.dim),
     }
 
+  embed = normal(cfg.vocab, cfg.dim, scale=0.5)
+  pos = normal(cfg.seq, cfg.dim, scale=0.1)
+  layers = [layer() for _ in range(cfg.layers)]
+  if cfg.scan_layers:  # the same draws, stacked.
+    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
   return {
-      "embed": normal(cfg.vocab, cfg.dim, scale=0.5),
-      "pos": normal(cfg.seq, cfg.dim, scale=0.1),
-      "layers": [layer() for _ in range(cfg.layers)],
+      "embed": embed,
+      "pos": pos,
+      "layers": layers,
       "final_norm": 1.0 + normal(cfg.dim, scale=0.05),
       "unembed": normal(cfg.dim, cfg.vocab),
   }
@@ -142,8 +154,12 @@ def loss_fn(cfg: Config):
           out_sharding=jax.typeof(x).sharding.spec)
     else:
       x = x + params["pos"]  # elementwise: JAX cannot type pos reduced.
-    for w in params["layers"]:
-      x = _block(cfg, x, w)
+    if cfg.scan_layers:
+      x, _ = jax.lax.scan(lambda h, w: (_block(cfg, h, w), None), x,
+                          params["layers"])
+    else:
+      for w in params["layers"]:
+        x = _block(cfg, x, w)
     x = _rms_norm(cfg, x, params["final_norm"])
     logits = jnp.einsum("btd,dv->btv", x, params["unembed"],
                         out_sharding=_act(cfg, None, None))

@@ -375,3 +375,16 @@ def test_loss_fn_is_traced_once_when_no_leaf_falls_back():
       jax.jit(fn).trace(params, batch)
   assert reports[-1].fallback_leaves == ()
   assert len(calls) == 1
+
+
+def test_scanned_layers_give_the_unrolled_loss_and_gradients():
+  """``scan_layers=True``: the same draws stacked, the blocks in a scan."""
+  cfg = MESHES["data_tensor"][2]._replace(pos_broadcast=True,
+                                           scan_layers=True)
+  with jax.set_mesh(_mesh("data_tensor")):
+    params = jax.tree.map(jax.device_put, tm.init(cfg), tm.specs(cfg))
+    batch = jax.device_put(tm.batch(cfg, BATCH), P(cfg.batch_axes))
+    loss, grads = jax.jit(_fn(cfg))(params, batch)
+  want_loss, want = _reference()
+  want["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *want["layers"])
+  _close((loss, grads), (want_loss, want))
