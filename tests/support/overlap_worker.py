@@ -2,13 +2,14 @@
 taken out, compiled for 8 chips and read by ``oa.reduction_overlap`` (not
 a test).
 
-Usage: python overlap_worker.py tpu|gpu
+Usage: python overlap_worker.py tpu|gpu [decoder]
 
 test_overlap_compiled.py runs it in a child process where the compiler's
 flags differ from its own (``LIBTPU_INIT_ARGS`` is read once, when libtpu
 loads; ``XLA_FLAGS`` when jax starts) and for GPUs, which the CUDA plugin
 offers compile-only only to a process that starts jax on the CPU platform.
-It prints one JSON line: each variant's report (:func:`summary`).
+It prints one JSON line: each variant's report (:func:`summary`); with
+``decoder``, those of :func:`decoder_report`.
 """
 
 import json
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
 from zoo import compile_only as co
+from zoo import typed_model as tm
 
 K = 4
 LAYERS = 4
@@ -152,9 +154,44 @@ def report(devices) -> dict:
   return out
 
 
+# The decoder of zoo/typed_model.py in Llama 3.2 1B's proportions (a
+# vocabulary 32 times the width, an FFN 6 times it), small enough to compile
+# in seconds; its positional embedding broadcast, so that no leaf is reduced
+# in the loop.
+DECODER = tm.Config(vocab=4096, seq=128, dim=128, heads=4, ffn=768,
+                    layers=6, batch_axes=("data",), pos_broadcast=True)
+DECODER_BATCH = 64
+
+
+def compile_decoder(devices, scan_layers: bool, overlap: bool = True):
+  """``oa.value_and_grad(..., overlap_reduction=overlap)`` of
+  :data:`DECODER` (``scan_layers``: its layers stacked and scanned), k = 4,
+  data parallel over 8 ``devices``."""
+  mesh = co.mesh(devices, (8,), ("data",))
+  cfg = DECODER._replace(scan_layers=scan_layers)
+  params = co.abstract(jax.eval_shape(lambda: tm.init(cfg)), mesh,
+                       tm.specs(cfg))
+  data = jax.eval_shape(lambda: tm.batch(cfg, DECODER_BATCH))
+  data = co.abstract(data, mesh, jax.tree.map(lambda _: P("data"), data))
+  fn = oa.value_and_grad(tm.loss_fn(cfg), num_microbatches=K,
+                         num_tokens_fn=tm.num_tokens,
+                         overlap_reduction=overlap)
+  with jax.set_mesh(mesh):
+    return jax.jit(fn).lower(params, data).compile()
+
+
+def decoder_report(devices) -> dict:
+  """The decoder's layers unrolled, with the last micro-batch out of the
+  loop and kept in it, and its layers scanned, last micro-batch out."""
+  return {name: summary(compile_decoder(devices, scanned, overlap))
+          for name, scanned, overlap in (
+              ("unrolled", False, True), ("unrolled, loop whole", False,
+                                          False), ("scanned", True, True))}
+
+
 if __name__ == "__main__":
   if sys.argv[1] == "gpu":
     jax.config.update("jax_platforms", "cpu")  # before any backend starts.
-    print(json.dumps(report(co.gpu_devices())))
-  else:
-    print(json.dumps(report(co.tpu_devices())))
+  devices = co.gpu_devices() if sys.argv[1] == "gpu" else co.tpu_devices()
+  mode = decoder_report if sys.argv[2:] == ["decoder"] else report
+  print(json.dumps(mode(devices)))
