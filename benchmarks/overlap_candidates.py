@@ -54,6 +54,18 @@ CANDIDATES = (OURS, TODAY, SCAN, MULTISTEPS, PEELED)
 MESHES = {**bench_compiled.MESHES,
           "data": ((8,), ("data",), {"batch_axes": ("data",)}),
           "ZeRO-1": ((8,), ("data",), {"batch_axes": ("data",)})}
+# A mesh named "<mesh>, scanned layers" runs the decoder with its layers
+# stacked (``scan_layers``): one leaf per weight, the blocks in a lax.scan.
+SCANNED = ", scanned layers"
+
+
+def mesh_and_model(name, cfg_run):
+  """The mesh of ``MESHES`` that ``name`` names, and ``cfg_run`` with the
+  model's layers stacked where ``name`` asks for it."""
+  if not name.endswith(SCANNED):
+    return name, cfg_run
+  model = {**cfg_run["model"], "scan_layers": True}
+  return name.removesuffix(SCANNED), {**cfg_run, "model": model}
 
 
 def overlaps_here(setting):
@@ -70,6 +82,7 @@ def devices_of(setting):
 
 def problem(name, cfg_run, devices):
   """The mesh, the data axes and each candidate's function and arguments."""
+  name, cfg_run = mesh_and_model(name, cfg_run)
   k = cfg_run["k"]
   cfg, mesh, data_axes, n_data, shapes, params, _, batch = (
       bench_compiled.problem(MESHES[name], cfg_run, devices))

@@ -137,8 +137,7 @@ def markdown(result):
       " overlapped share of the data-axis gradient reduction's bytes;"
       " compile s: `lowered.compile()` wall time, median of the repetitions,"
       " the candidates interleaved in one process; loop sums: what produces"
-      " each float32 running sum in the micro-batch loop's body (issue 51,"
-      " item 5).", ""]
+      " each float32 running sum in the micro-batch loop's body.", ""]
   for setting, why in result["skipped"].items():
     lines += [f"Skipped {setting}: {why}", ""]
   return lines + table(result)

@@ -49,7 +49,7 @@ BENCHMARKS = (
     "bench_zero",            # n. ZeRO-1 / ZeRO-2 vs data parallel and FSDP
     "bench_emit",            # o. the emitting micro-step, compiled
     "bench_first_step",      # p. trace + lower + compile of a micro-step
-    "bench_overlap",         # q. the one reduction hidden (SPEC 13)
+    "bench_overlap",         # q. the one reduction hidden
 )
 RESULTS_DIR = os.path.join(_HERE, "results")
 
