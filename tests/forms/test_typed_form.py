@@ -377,6 +377,7 @@ def test_loss_fn_is_traced_once_when_no_leaf_falls_back():
   assert len(calls) == 1
 
 
+@pytest.mark.slow  # 26 s: two typed programs on 8 devices.
 def test_scanned_layers_give_the_unrolled_loss_and_gradients():
   """``scan_layers=True``: the same draws stacked, the blocks in a scan."""
   cfg = MESHES["data_tensor"][2]._replace(pos_broadcast=True,
