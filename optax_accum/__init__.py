@@ -61,6 +61,9 @@ from optax_accum._src.microbatch.reducible_layers import (
 from optax_accum._src.microbatch.reducible_layers import (
     reducible_layers as reducible_layers,
 )
+from optax_accum._src.microbatch.scanned_layers import (
+    scan_layers as scan_layers,
+)
 from optax_accum._src.microbatch.value_and_grad import (
     value_and_grad as value_and_grad,
 )
@@ -111,6 +114,7 @@ __all__ = (
     "reducible_layers",
     "reduction_overlap",
     "restored_state",
+    "scan_layers",
     "sharding_report",
     "state_partition_specs",
     "tokens_seen",

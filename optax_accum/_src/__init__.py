@@ -95,6 +95,9 @@ The call reads as stages in order, data passing downward:
    |                                           kept one's data, zero seed
    |                        empty_safe.py      elsewhere, its derivative a
    |                                           cond: no NaN under jax.grad
+   |                        scanned_layers.py  the last micro-batch's
+   |                                           layer scan (oa.scan_layers)
+   |                                           reducing each layer's sum
    |                        loss_signature.py  how loss_fn is called
    |                        rng.py             a key per micro-batch
    |  reduce            layout.reduce(partials), the one reduction
@@ -107,7 +110,10 @@ is in, and nothing calls back into an entry module. ``reducible_layers``
 (``add_bias``, ``multiply_scale``, ``reducible_layers``) is the typed
 form's too, though the user calls it: it runs inside ``loss_fn`` on every
 micro-batch, a bias add and a scale that JAX types reduced, so that no leaf
-falls back.
+falls back. ``scanned_layers`` (``oa.scan_layers``) is the user's too: a
+``lax.scan`` the model runs its stacked layers with, which in the last
+micro-batch (``overlap_reduction=True``, manual axes) reduces each layer's
+slice inside the backward loop, the loop handing it the running sums.
 
 **accumulate/**: one call of ``oa.accumulate(...).update`` (or of its
 ``update_and_apply``), one micro-batch per call, as stages in order:

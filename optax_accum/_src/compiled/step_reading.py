@@ -168,7 +168,15 @@ def place(inst: Instruction, loop_names: set[str],
 
 def reductions(instructions, computations, loop_names, emitting,
                 positions, mesh, data_axes) -> list[Reduction]:
-  """The gradient-sized reductions over ``data_axes`` (None: any), placed."""
+  """The gradient-sized reductions over ``data_axes`` (None: any), placed.
+
+  A reduction in a loop of the model's own (its scanned layers, where
+  ``oa.scan_layers`` reduces each layer's slice in the backward loop) sums
+  its elements once per trip: counted that many times.
+  """
+  trips = {hlo_text.instruction_name(inst.line):
+           trip_count(inst.rest, computations)
+           for inst in instructions if inst.opcode == "while"}
   found = []
   for inst in instructions:
     collective = hlo_text.OPCODE_TO_COLLECTIVE.get(inst.opcode)
@@ -187,6 +195,8 @@ def reductions(instructions, computations, loop_names, emitting,
       if data_axes is not None and not set(axes) & set(data_axes):
         continue
       elements = sum(n for _, dims in shapes if (n := math.prod(dims)) > 1)
+      elements *= math.prod(trips.get(loop) or 1 for loop in inst.loops
+                            if loop not in loop_names)
       if collective == "reduce-scatter":
         elements *= math.prod(mesh.shape[a] for a in axes)
     found.append(Reduction(

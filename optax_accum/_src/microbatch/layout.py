@@ -50,6 +50,10 @@ class Partials(NamedTuple):
   minima: list[Any]  # minimum over devices.
   means: Any  # floating leaves averaged over devices (model state).
   rest: Any  # kept as they are: what *finalize* needs besides (per device).
+  # Per gradient leaf, the part already summed over devices (in the last
+  # micro-batch's layer scan, :mod:`scanned_layers`), added to the rest
+  # once that is reduced; or None for none.
+  in_loop: list[Any] | None = None
 
 
 class Result(NamedTuple):
@@ -143,6 +147,12 @@ class Layout(Protocol):
     second (8 H100s: ``oa.check_train_step`` finds the fallback leaf
     reduced twice)."""
 
+  def reducible_in_loop(self) -> list[bool]:
+    """Per parameter leaf, whether its gradient may be summed over the
+    data axes inside the last micro-batch's backward pass instead of after
+    it (:mod:`scanned_layers`): where :meth:`reduce` all-reduces it whole,
+    once."""
+
   def reduce(self, partials: Partials) -> Partials:
     """The one reduction over the data axes (the identity without one)."""
 
@@ -212,6 +222,9 @@ class SingleLayout(NamedTuple):
 
   def reduces_only_after_loop(self):
     return False
+
+  def reducible_in_loop(self):
+    return []
 
   def reduce(self, partials):
     return partials

@@ -31,6 +31,7 @@ from optax_accum._src.microbatch import empty_safe
 from optax_accum._src.microbatch import layout
 from optax_accum._src.microbatch import loss_signature
 from optax_accum._src.microbatch import rng as rng_lib
+from optax_accum._src.microbatch import scanned_layers
 from optax_accum._src.microbatch import trip_count
 from optax_accum._src.rules import aux_reduction as aux_reduction_lib
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
@@ -67,6 +68,9 @@ class LoopOut(NamedTuple):
   # The last micro-batch ran after the loop though none had tokens: the
   # sums may be NaN where the token count is zero (trip_count's borrowing).
   nan_without_tokens: bool = False
+  # Per gradient leaf, its sum already reduced over devices in the last
+  # micro-batch's layer scan (:mod:`scanned_layers`), or None; None: none.
+  in_loop: list[Any] | None = None
 
 
 class Options(NamedTuple):
@@ -144,18 +148,27 @@ class _Differentiated(NamedTuple):
   c: token_weighting.Contribution  # its own: the loss's and tokens'.
   added: token_weighting.Contribution  # the one the gradient is added with.
   microbatch: Any  # the data that ran.
+  totals: dict[int, jax.Array] | None = None  # scanned_layers' reduced sums.
 
 
 def _differentiate(loss, opts, borrow, inputs, lay, params, model_state,
-                   batch_split, index) -> _Differentiated:
+                   batch_split, index, runs=None) -> _Differentiated:
   """Micro-batch ``index`` differentiated; with ``borrow``, as
-  :mod:`borrowing` says."""
+  :mod:`borrowing` says; with ``runs`` (leaf index -> running sum), its
+  scanned layers reduced as :mod:`scanned_layers` says."""
   rng = _rng_for(inputs, index, lay)
   if borrow is None:
     microbatch = batching.take(batch_split, index)
     args = (model_state, microbatch, inputs, rng)
     contribution = lambda: token_weighting.contribution(
         _token_count(opts.num_tokens_fn, microbatch), opts.loss_reduction)
+    if runs:
+      c = contribution()
+      d = scanned_layers.differentiate(
+          loss, params, args, runs, c,
+          lambda x: jax.lax.psum(x, lay.device_axis))
+      return _Differentiated(d.value, d.rest, d.grads, c, d.added,
+                             microbatch, d.totals)
     if token_weighting.counts_each(opts.num_tokens_fn):
       c = contribution()  # an empty micro-batch is dropped, derivative too.
       (value, rest), grads = empty_safe.value_and_grad(loss, c.keep, params,
@@ -211,12 +224,22 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
   init = (_zero_sums(params, opts, plan, lay, rules), inputs.model_state)
   borrow = _borrowing(opts, params, inputs, batch_split, plan, rules, lay)
 
-  def step_over(params, batch_split):
+  in_loop = {}
+
+  def step_over(params, batch_split, reducible=()):
     def step(carry, index):
       sums, model_state = carry
+      running = jax.tree.leaves(sums.grads)
       d = _differentiate(loss, opts, borrow, inputs, lay,
                          lay.for_microbatch(params, index),
-                         model_state, batch_split, index)
+                         model_state, batch_split, index,
+                         {i: running[i] for i in reducible})
+      if d.totals:  # those sums are whole: the loop adds the rest alone.
+        in_loop.update(d.totals)
+        sums = sums._replace(grads=jax.tree.unflatten(
+            jax.tree.structure(sums.grads),
+            [jnp.zeros_like(s) if i in d.totals else s
+             for i, s in enumerate(running)]))
       value, (new_state, aux), grads, c = d.value, d.rest, d.grads, d.c
       model_state = axes.varying_like(new_state, model_state)
       running, stacked = sums.aux, aux
@@ -244,7 +267,8 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
     held through it (more memory, measured on the CPU)."""
     _, held, leaves = jax.lax.optimization_barrier(
         (carry[0].tokens, params, batch_split.leaves))
-    return step_over(held, batch_split._replace(leaves=leaves))
+    return step_over(held, batch_split._replace(leaves=leaves),
+                     _reducible_in_loop(opts, lay, rules, params))
 
   step = step_over(params, batch_split)
   last = last_step if trip_count.peeled(
@@ -259,8 +283,25 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
           step, init, borrow.runs, opts.num_microbatches,
           inputs.num_real, last)
   sums = sums._replace(grads=lay.after_loop(sums.grads, rules))
+  totals = None
+  if in_loop:
+    totals = [in_loop.get(i) for i in range(len(jax.tree.leaves(params)))]
   return sums, LoopOut(model_state, values.dtype, stacked, plan, rules,
-                       borrow is not None and last is not None)
+                       borrow is not None and last is not None, totals)
+
+
+def _reducible_in_loop(opts: Options, lay: layout.Layout, rules,
+                       params) -> list[int]:
+  """The leaves whose layers :mod:`scanned_layers` may reduce in the last
+  micro-batch: summed once over manual data axes, not sharded over them, by
+  the "mean" rule, and not read per device (``with_stats``)."""
+  if opts.with_stats or lay.device_axis is None:
+    return []
+  ok = lay.reducible_in_loop()
+  n = len(jax.tree.leaves(params))
+  rules = [grad_reduction_lib.MEAN] * n if rules is None else rules
+  return [i for i in range(n)
+          if ok[i] and rules[i] == grad_reduction_lib.MEAN]
 
 
 def finish_loop(sums: Sums, out: LoopOut, params,
@@ -310,7 +351,8 @@ def _partials(sums: Sums, out: LoopOut) -> layout.Partials:
       grads=sums.grads,
       sums=(sums.loss, sums.tokens,
             None if running is None else running.sums, sums.stats),
-      maxima=maxima, minima=minima, means=out.model_state, rest=out)
+      maxima=maxima, minima=minima, means=out.model_state, rest=out,
+      in_loop=out.in_loop)
 
 
 def divides_first(opts: Options, lay: layout.Layout) -> bool:

@@ -195,8 +195,23 @@ class ManualLayout(NamedTuple):
     return (self.policy.gradient_sync != names.DEFERRED
             or any(_is_sharded(s) for s in specs))
 
+  def reducible_in_loop(self):
+    """Leaves all-reduced whole once per call: not sharded over the data
+    axes, under ``gradient_sync="once"``."""
+    specs = jax.tree.leaves(self.specs, is_leaf=lambda x: isinstance(x, P))
+    return [self.policy.gradient_sync == names.ONCE and not _is_sharded(s)
+            and not self._gathers_in_loop(s) and not self._syncs_in_loop(s)
+            for s in specs]
+
   def reduce(self, partials):
-    """Sums the partials over the data axes: the one reduction of a call."""
+    """Sums the partials over the data axes: the one reduction of a call.
+
+    A leaf with a part already summed in the loop (``partials.in_loop``)
+    has the rest summed on its own and added: where the rest is zero (the
+    leaf used only by the scan that reduced it) XLA drops that sum.
+    """
+    if partials.in_loop is not None:
+      return self._reduce_rest(partials)
     grads, sums = self._finish(partials.grads, partials.sums)
     maxima = minima = []
     if partials.maxima:
@@ -208,6 +223,19 @@ class ManualLayout(NamedTuple):
       means = model_state_over(means, self.axis_name)
     return partials._replace(grads=grads, sums=sums, maxima=maxima,
                              minima=minima, means=means)
+
+  def _reduce_rest(self, partials: Any) -> Any:
+    """:meth:`reduce`, the leaves with a part summed in the loop apart."""
+    leaves, treedef = jax.tree.flatten(partials.grads)
+    specs = treedef.flatten_up_to(self.specs)
+    done = partials.in_loop
+    rest = [x for x, t in zip(leaves, done) if t is None]
+    others = self._replace(specs=[s for s, t in zip(specs, done) if t is None])
+    out = others.reduce(partials._replace(grads=rest, in_loop=None))
+    rest = iter(out.grads)
+    return out._replace(grads=treedef.unflatten([
+        next(rest) if t is None else lax.psum(x, self.axis_name) + t
+        for x, t in zip(leaves, done)]))
 
   def _finish(self, total: Any, extra: Any) -> tuple[Any, Any]:
     """Sums the gradient sums (and ``extra``) over the axes, once.

@@ -279,6 +279,10 @@ class TypedLayout(NamedTuple):
     del rules
     return total
 
+  def reducible_in_loop(self):
+    """None: the typed loop's sums are reduced by their types."""
+    return [False] * len(self.targets)
+
   def reduces_only_after_loop(self):
     """Every leaf reduced after the loop (none replicated, none synced in
     it), and some reduced there (not a deferred sum of parameters sharded

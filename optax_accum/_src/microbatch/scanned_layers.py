@@ -1,0 +1,273 @@
+"""Scanned layers whose stacked gradients are reduced inside the backward loop.
+
+A model that stacks its layers into one leaf per weight and runs them with
+:func:`jax.lax.scan` has that leaf's gradient final only when the whole
+backward loop ends: the one reduction over devices starts after it, even
+with the last micro-batch run after the micro-batch loop
+(``overlap_reduction=True``). :func:`scan_layers` is a drop-in for that
+``lax.scan``. Inside the last micro-batch of ``oa.value_and_grad(...,
+overlap_reduction=True)`` under manual data axes (``shard_map``, ``pmap``,
+or ``axis_name`` naming Auto axes), its backward loop adds each layer's
+running sum of the earlier micro-batches to that layer's gradient and sums
+it over the devices right there, one layer at a time, so that XLA can run
+each layer's reduction beside the next layer's backward. Everywhere else it
+is ``lax.scan``.
+
+How the sums reach the model's scan: the last micro-batch is differentiated
+(:func:`differentiate`) with respect to the parameters and, beside them, one
+*probe* per reducible leaf (zeros the loss never reads). While ``loss_fn``
+runs, a table maps each parameter leaf it was handed to its running sum and
+probe; :func:`scan_layers` looks its ``xs`` up there, and its backward
+returns each layer's reduced total as the probe's cotangent. A leaf's other
+uses in the loss (a penalty, a tied weight) keep their gradient, reduced
+after the loop as every other leaf's. Where XLA sees that gradient is zero
+(no other use) it drops its reduction: the count of reductions per update
+is unchanged.
+"""
+
+from collections.abc import Callable
+import contextlib
+import threading
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_accum._src.mesh import axes
+from optax_accum._src.rules import token_weighting
+
+_SEEDS = (jnp.float32, jnp.float64)
+_ACTIVE = threading.local()
+
+
+class _Table:
+  """The reducible leaves of one differentiation of the last micro-batch."""
+
+  def __init__(self, runs: dict[int, jax.Array]):
+    self.runs = runs  # leaf index -> this device's running sum.
+    self.by_id: dict[int, tuple[int, Any]] = {}  # id(leaf) -> (index, probe).
+    self.combine: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+    self.used: set[int] = set()  # leaf indices a scan reduced.
+
+
+@contextlib.contextmanager
+def _active(table: _Table):
+  stack = getattr(_ACTIVE, "stack", [])
+  _ACTIVE.stack = stack + [table]
+  try:
+    yield
+  finally:
+    _ACTIVE.stack = stack
+
+
+def _current() -> _Table | None:
+  stack = getattr(_ACTIVE, "stack", [])
+  return stack[-1] if stack else None
+
+
+def _is_float(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+class Differentiated(NamedTuple):
+  """The last micro-batch differentiated by :func:`differentiate`."""
+
+  value: jax.Array
+  rest: Any  # loss_fn's (model state, aux).
+  grads: Any  # the parameters' gradient, weighted as ``added`` says.
+  added: token_weighting.Contribution  # to add ``grads`` with.
+  totals: dict[int, jax.Array]  # leaf index -> its sum over micro-batches
+  # and devices, reduced in the scan's backward loop (invariant).
+
+
+def differentiate(loss: Callable[..., Any], params: Any, args: tuple,
+                  runs: dict[int, jax.Array],
+                  c: token_weighting.Contribution,
+                  reduce: Callable[[jax.Array], jax.Array]) -> Differentiated:
+  """``loss(params, *args)`` differentiated, its scanned layers reduced.
+
+  ``runs`` maps the index of each reducible parameter leaf (flattened) to
+  this device's running sum of the earlier micro-batches; ``reduce`` sums an
+  array over the data axes. The loss is differentiated with the seed
+  ``c``'s weight where its dtype holds it (float32, float64: then the
+  gradient leaves the backward weighted), else with one and each term
+  multiplied, as the plain loop does.
+  """
+  table = _Table(runs)
+  probes = {i: jnp.zeros(jnp.shape(r), jnp.result_type(r))
+            for i, r in runs.items()}
+
+  def with_table(p, probes):
+    seen = jax.tree.leaves(p)
+    table.by_id = {id(seen[i]): (i, probes[i]) for i in runs}
+    with _active(table):
+      return loss(p, *args)
+
+  value, vjp_fn, rest = jax.vjp(with_table, params, probes, has_aux=True)
+  ones = jnp.ones([], c.weight.dtype)
+  if jnp.result_type(value) in _SEEDS:
+    seed = jnp.where(c.keep, c.weight, jnp.zeros([], c.weight.dtype))
+    seed, added = seed.astype(jnp.result_type(value)), c._replace(weight=ones)
+  else:
+    seed, added = jnp.ones_like(value), c
+  table.combine = lambda run, g: reduce(
+      run + token_weighting.weighted(g, added, run.dtype))
+  grads, totals = vjp_fn(seed)
+  return Differentiated(value, rest, grads, added,
+                        {i: totals[i] for i in sorted(table.used)})
+
+
+def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
+                length: int | None = None, reverse: bool = False,
+                unroll: int | bool = 1) -> tuple[Any, Any]:
+  """:func:`jax.lax.scan` over a model's stacked layers.
+
+  A drop-in for ``lax.scan(f, init, xs)`` where ``xs`` holds the stacked
+  weights of the layers (one leaf per weight, the layers along its first
+  axis), as the model receives them from ``loss_fn``'s parameters. In the
+  last micro-batch of :func:`optax_accum.value_and_grad` with
+  ``overlap_reduction=True`` under manual data axes, the backward loop sums
+  each layer's gradient (with its running sum of the earlier micro-batches)
+  over the devices inside the loop, one layer at a time, so that the
+  reduction of the stack runs beside the rest of the backward pass instead
+  of after it. The gradient is the same sum, exactly; everywhere else this
+  is ``lax.scan``.
+
+  A leaf of ``xs`` is reduced in the loop only if it is a parameter leaf
+  exactly as ``loss_fn`` received it (not cast, sliced or copied), whose
+  gradient is summed once per call and not sharded over the data axes (not
+  with ``with_stats``, FSDP, ``gradient_sync`` other than ``"once"`` or a
+  ``grad_reduction`` rule other than ``"mean"``), and where every leaf of
+  ``init`` and ``xs`` is floating. Other leaves and uses are differentiated
+  as ``lax.scan`` would.
+
+  Args:
+    f: the layer, ``f(carry, x) -> (carry, y)``, as for ``lax.scan``.
+    init: the initial carry (the activations entering the first layer).
+    xs: the stacked per-layer inputs (the layers' weights, and anything
+      else stacked along the first axis).
+    length, reverse, unroll: as for ``lax.scan``.
+
+  Returns:
+    ``(carry, ys)``, as ``lax.scan`` returns.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import optax_accum as oa
+    >>> w = jnp.full((3, 2, 2), 0.5)
+    >>> h, _ = oa.scan_layers(lambda h, w: (jnp.tanh(h @ w), None),
+    ...                       jnp.ones((1, 2)), w)
+    >>> h.shape
+    (1, 2)
+  """
+  table = _current()
+  leaves = jax.tree.leaves(xs)
+  found = {}
+  if table is not None and all(
+      _is_float(x) for x in jax.tree.leaves((init, xs))):
+    for p, leaf in enumerate(leaves):
+      hit = table.by_id.get(id(leaf))
+      if hit is not None and hit[0] not in table.used:
+        found[p] = hit
+  if not found:
+    return lax.scan(f, init, xs, length=length, reverse=reverse,
+                    unroll=unroll)
+  table.used.update(i for i, _ in found.values())
+  return _reducing_scan(f, init, xs, found, table,
+                        dict(length=length, reverse=reverse, unroll=unroll))
+
+
+def _source(r: Any, x: list[Any], consts: list[Any]) -> tuple[str, int]:
+  """Where a residual of one layer's backward comes from: an input of the
+  layer (not stacked again: ``lax.scan`` does not either), or its own."""
+  for j, leaf in enumerate(x):
+    if r is leaf:
+      return "x", j
+  for j, leaf in enumerate(consts):
+    if r is leaf:
+      return "k", j
+  return "s", -1
+
+
+def _float0_like(x: Any) -> np.ndarray:
+  return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def _reducing_scan(f, init, xs, found, table, opts):
+  """``lax.scan(f, init, xs)`` whose backward reduces the found leaves'
+  layers in its loop (:func:`scan_layers`)."""
+  x_leaves, x_def = jax.tree.flatten(xs)
+  first = jax.tree.map(lambda x: x[0], xs)
+  fn, consts = jax.closure_convert(f, init, first)
+  positions = sorted(found)
+  probes = [found[p][1] for p in positions]
+  runs = [table.runs[found[p][0]] for p in positions]
+  saved = {}
+
+  def layer(c, x, k):
+    return fn(c, x_def.unflatten(x), *k)
+
+  @jax.custom_vjp
+  def run(init, x_leaves, consts, probes, runs):
+    del probes, runs  # read by the backward only.
+    return lax.scan(lambda c, x: layer(c, x, consts), init, x_leaves, **opts)
+
+  def fwd(init, x_leaves, consts, probes, runs):
+    del probes
+
+    def body(c, x):
+      out, vjp_fn = jax.vjp(layer, c, x, consts)
+      res, tdef = jax.tree.flatten(vjp_fn)
+      where = [_source(r, x, consts) for r in res]
+      saved.update(tdef=tdef, where=where, out=jax.tree.map(
+          lambda v: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)),
+          out[1]))
+      return out[0], (out[1], [r for r, w in zip(res, where) if w[0] == "s"])
+
+    carry, (ys, stacked) = lax.scan(body, init, x_leaves, **opts)
+    return (carry, ys), (stacked, x_leaves, consts, runs)
+
+  def bwd(res, cts):
+    stacked, x_leaves, consts, runs = res
+    g_carry, g_ys = cts
+    y_leaves, y_def = jax.tree.flatten(saved["out"])
+    y_float = [_is_float(y) for y in y_leaves]
+    g_y_leaves = [g for g, fl in zip(jax.tree.leaves(g_ys), y_float) if fl]
+    k_float = [_is_float(k) for k in consts]
+
+    def body(carry, sl):
+      g_c, g_k = carry
+      st, x, run, g_y = sl
+      it = iter(st)
+      vjp_fn = saved["tdef"].unflatten([
+          next(it) if kind == "s" else x[j] if kind == "x" else consts[j]
+          for kind, j in saved["where"]])
+      g_ys_full = iter(g_y)
+      ct_y = y_def.unflatten([next(g_ys_full) if fl else _float0_like(y)
+                              for y, fl in zip(y_leaves, y_float)])
+      g_prev, g_x, g_kk = vjp_fn((g_c, ct_y))
+      totals = [table.combine(r, g_x[p]) for r, p in zip(run, positions)]
+      kept = [g for p, g in enumerate(g_x) if p not in found]
+      g_k = [a + b for a, b in zip(g_k, [g for g, fl in zip(g_kk, k_float)
+                                          if fl])]
+      return (axes.varying_like(g_prev, init), g_k), (kept, totals)
+
+    zero_k = [axes.varying_like(jnp.zeros_like(k), k)
+              for k, fl in zip(consts, k_float) if fl]
+    reverse = not opts["reverse"]
+    (g_init, g_k), (kept, totals) = lax.scan(
+        body, (axes.varying_like(g_carry, init), zero_k),
+        (stacked, x_leaves, runs, g_y_leaves),
+        length=opts["length"], reverse=reverse, unroll=opts["unroll"])
+    kept = iter(kept)
+    g_x = [axes.varying_like(jnp.zeros_like(x), x) if p in found else next(kept)
+           for p, x in enumerate(x_leaves)]
+    g_k = iter(g_k)
+    g_consts = [next(g_k) if fl else _float0_like(k)
+                for k, fl in zip(consts, k_float)]
+    return g_init, g_x, g_consts, totals, [None] * len(runs)
+
+  run.defvjp(fwd, bwd)
+  return run(init, x_leaves, consts, probes, runs)

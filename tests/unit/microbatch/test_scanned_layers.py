@@ -1,0 +1,239 @@
+"""oa.scan_layers: a layer stack reduced inside the last backward loop.
+
+Each step is checked against the full batch's gradient (uneven tokens, an
+empty micro-batch), and its compiled program is read: the stacked leaf's
+reduction sits in a loop, one layer's slice at a time, and no second
+reduction of it follows. The negative control is the same model through
+``lax.scan``: its stacked leaf is reduced after the loop, whole.
+"""
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import helpers
+import optax_accum as oa
+from optax_accum._src.compiled import hlo_text
+
+LAYERS, DIM, VOCAB, ROWS, K = 4, 16, 32, 64, 4
+
+
+def _params(dtype=jnp.float32):
+  rng = np.random.default_rng(0)
+  draw = lambda *s: jnp.asarray(rng.normal(size=s) * 0.3, dtype)
+  return {"embed": draw(VOCAB, DIM), "layers": draw(LAYERS, DIM, DIM),
+          "unembed": draw(DIM, VOCAB)}
+
+
+def _batch(mask=None):
+  rng = np.random.default_rng(1)
+  if mask is None:
+    mask = (rng.random(ROWS) < 0.6).astype(np.float32)
+  return {"ids": jnp.asarray(rng.integers(0, VOCAB, ROWS), jnp.int32),
+          "y": jnp.asarray(rng.normal(size=(ROWS, VOCAB)), jnp.float32),
+          "mask": jnp.asarray(mask, jnp.float32)}
+
+
+def _loss(scan, penalty=None, loss_dtype=None):
+  def loss(params, batch):
+    h = params["embed"][batch["ids"]]
+    h, _ = scan(lambda c, w: (jnp.tanh(c @ w), None), h, params["layers"])
+    err = ((h @ params["unembed"]).astype(jnp.float32) - batch["y"]) ** 2
+    mask = batch["mask"]
+    out = (err.sum(-1) * mask).sum() / mask.sum()
+    if penalty:  # a second use of the stacked leaf, outside the scan.
+      out = out + penalty * (params["layers"].astype(jnp.float32) ** 2).sum()
+    return out if loss_dtype is None else out.astype(loss_dtype)
+  return loss
+
+
+def _count(batch):
+  return batch["mask"].sum()
+
+
+def _mesh(kind=AxisType.Explicit):
+  return jax.make_mesh((8,), ("data",), axis_types=(kind,))
+
+
+def _step(loss, form="shard_map", **kwargs):
+  grad_fn = oa.value_and_grad(loss, num_microbatches=K, num_tokens_fn=_count,
+                              axis_name="data", **kwargs)
+  if form == "shard_map":
+    mesh = _mesh()
+    fn = jax.jit(jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("data")),
+                               out_specs=P()))
+  else:  # Auto axes: the runner makes them manual for the call.
+    mesh = _mesh(AxisType.Auto)
+    fn = jax.jit(grad_fn)
+
+  def run(params, batch):
+    with jax.set_mesh(mesh):
+      batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+      params = jax.device_put(params, NamedSharding(mesh, P()))
+      return fn(params, batch), fn.lower(params, batch).compile().as_text()
+
+  return run
+
+
+def _reductions(text):
+  """``(computation is the entry, result shapes)`` of each all-reduce."""
+  entry, computations = hlo_text.parse(text)
+  return [(name == entry, [(t, tuple(d)) for t, d in
+                          hlo_text.result_shapes(line)])
+          for name, body in computations.items()
+          for opcode, _, line in body
+          if opcode in ("all-reduce", "all-reduce-start")]
+
+
+def _reduced_in_loop(text):
+  """Whether one layer's slice is all-reduced in a loop body, and whether
+  the stacked leaf is all-reduced whole."""
+  found = _reductions(text)
+  layer = ("f32", (DIM, DIM))
+  stack = ("f32", (LAYERS, DIM, DIM))
+  in_loop = any(not at_entry and layer in shapes for at_entry, shapes in found)
+  whole = any(stack in shapes for _, shapes in found)
+  return in_loop, whole
+
+
+def _full(params, batch, **kwargs):
+  return jax.value_and_grad(_loss(lax.scan, **kwargs))(params, batch)
+
+
+@pytest.mark.parametrize("form", ["shard_map", "auto"])
+def test_exact_and_each_layer_reduced_in_the_backward_loop(form):
+  params, batch = _params(), _batch()
+  (loss, grads), text = _step(_loss(oa.scan_layers), form,
+                              overlap_reduction=True)(params, batch)
+  want_loss, want = _full(params, batch)
+  helpers.assert_trees_close((loss, grads), (want_loss, want),
+                                 rtol=1e-5, atol=1e-6)
+  assert _reduced_in_loop(text) == (True, False)
+  # One reduction per leaf: the stack's slices, the rest in one after it.
+  entry = [shapes for at_entry, shapes in _reductions(text) if at_entry]
+  assert len(entry) == 1 and ("f32", (VOCAB, DIM)) in entry[0]
+  # oa.check_train_step counts the layer loop's slices once per trip: every
+  # leaf reduced once per update, no more.
+  check = oa.check_train_step(text, num_microbatches=K, data_axes="data",
+                              mesh=_mesh(), params=params)
+  assert check.reduced_elements == check.gradient_elements
+
+
+def test_negative_control_lax_scan_reduces_the_stack_after_the_loop():
+  params, batch = _params(), _batch()
+  _, text = _step(_loss(lax.scan), overlap_reduction=True)(params, batch)
+  assert _reduced_in_loop(text) == (False, True)
+
+
+def test_without_overlap_reduction_it_is_lax_scan():
+  params, batch = _params(), _batch()
+  (loss, grads), text = _step(_loss(oa.scan_layers))(params, batch)
+  helpers.assert_trees_close((loss, grads), _full(params, batch),
+                                 rtol=1e-5, atol=1e-6)
+  assert _reduced_in_loop(text) == (False, True)
+
+
+def test_a_second_use_of_the_stack_keeps_its_gradient():
+  params, batch = _params(), _batch()
+  (loss, grads), text = _step(_loss(oa.scan_layers, penalty=0.1),
+                              overlap_reduction=True)(params, batch)
+  helpers.assert_trees_close(
+      (loss, grads), _full(params, batch, penalty=0.1), rtol=1e-5, atol=1e-6)
+  in_loop, whole = _reduced_in_loop(text)
+  assert in_loop and whole  # the penalty's part is reduced after the loop.
+
+
+def test_an_empty_last_microbatch_adds_nothing():
+  # Device 3's last micro-batch (rows 30, 31 of its 8) has no tokens.
+  mask = np.ones(ROWS, np.float32)
+  mask[30:32] = 0.0
+  params, batch = _params(), _batch(mask)
+  (loss, grads), _ = _step(_loss(oa.scan_layers),
+                           overlap_reduction=True)(params, batch)
+  assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+  helpers.assert_trees_close((loss, grads), _full(params, batch),
+                                 rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_dtype", [None, jnp.bfloat16])
+def test_bf16_params_summed_in_float32_match_lax_scan(loss_dtype):
+  """Half-precision parameters with a float32 accumulator (the in-loop sum
+  is in the accumulator's dtype), and a bfloat16 loss (not the seed: each
+  term multiplied, as the plain loop does)."""
+  params, batch = _params(jnp.bfloat16), _batch()
+  kwargs = dict(overlap_reduction=True, accumulator_dtype=jnp.float32)
+  got, text = _step(_loss(oa.scan_layers, loss_dtype=loss_dtype),
+                    **kwargs)(params, batch)
+  want, _ = _step(_loss(lax.scan, loss_dtype=loss_dtype), **kwargs)(
+      params, batch)
+  helpers.assert_trees_close(
+      jax.tree.map(lambda x: x.astype(jnp.float32), got),
+      jax.tree.map(lambda x: x.astype(jnp.float32), want), rtol=2e-2,
+      atol=2e-2)
+  assert _reduced_in_loop(text)[0]
+
+
+def test_closed_over_weights_ys_and_reverse():
+  """The layer reads a weight it closes over and returns a per-layer output
+  the loss uses; the scan runs in reverse."""
+
+  def loss(scan):
+    def fn(params, batch):
+      h = params["embed"][batch["ids"]]
+
+      def layer(c, w):
+        c = jnp.tanh(c @ w + c @ params["shared"])
+        return c, (c ** 2).mean(-1)  # one per row.
+
+      h, ys = scan(layer, h, params["layers"], reverse=True)
+      err = ((h @ params["unembed"] - batch["y"]) ** 2).sum(-1)
+      mask = batch["mask"]
+      per_row = err + (ys * jnp.arange(LAYERS)[:, None]).sum(0)
+      return (per_row * mask).sum() / mask.sum()
+    return fn
+
+  params = {**_params(), "shared": _params()["layers"][0] * 0.5}
+  batch = _batch()
+  got, text = _step(loss(oa.scan_layers), overlap_reduction=True)(
+      params, batch)
+  want = jax.value_and_grad(loss(lax.scan))(params, batch)
+  helpers.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+  assert _reduced_in_loop(text) == (True, False)
+
+
+def test_outside_value_and_grad_it_is_lax_scan():
+  xs = {"w": jnp.stack([jnp.eye(3) * i for i in range(1, 4)]),
+        "b": jnp.ones((3, 3))}
+  f = lambda c, x: (jnp.sin(c @ x["w"] + x["b"]), c.sum())
+  init = jnp.arange(6.0).reshape(2, 3)
+  for reverse in (False, True):
+    got = oa.scan_layers(f, init, xs, reverse=reverse)
+    want = lax.scan(f, init, xs, reverse=reverse)
+    helpers.assert_trees_close(got, want)
+    g = jax.grad(lambda xs: oa.scan_layers(f, init, xs)[0].sum())(xs)
+    helpers.assert_trees_close(
+        g, jax.grad(lambda xs: lax.scan(f, init, xs)[0].sum())(xs))
+
+
+def test_an_integer_carry_falls_back_to_lax_scan():
+  def loss(params, batch):
+    h = params["embed"][batch["ids"]]
+
+    def layer(carry, w):
+      c, n = carry
+      return (jnp.tanh(c @ w), n + 1), None
+
+    (h, _), _ = oa.scan_layers(layer, (h, jnp.int32(0)), params["layers"])
+    err = ((h @ params["unembed"] - batch["y"]) ** 2).sum(-1)
+    return (err * batch["mask"]).sum() / batch["mask"].sum()
+
+  params, batch = _params(), _batch()
+  (value, grads), text = _step(loss, overlap_reduction=True)(params, batch)
+  helpers.assert_trees_close((value, grads), _full(params, batch),
+                                 rtol=1e-5, atol=1e-6)
+  assert _reduced_in_loop(text) == (False, True)
