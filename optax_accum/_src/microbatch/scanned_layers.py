@@ -195,19 +195,34 @@ def _float0_like(x: Any) -> np.ndarray:
   return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
+class _Plan(NamedTuple):
+  """One reducing scan: the layer, its leaves and the sums it reduces."""
+
+  layer: Callable[..., Any]  # layer(carry, x_leaves, consts) -> (carry, y).
+  positions: list[int]  # the reduced leaves' positions in xs's leaves.
+  table: _Table
+  init: Any  # the initial carry (its cotangent's type).
+  opts: dict[str, Any]  # length, reverse, unroll.
+
+
+class _Saved:
+  """What tracing one layer's backward pass in the forward loop told: its
+  residuals' structure and sources, and the per-layer outputs' types."""
+
+  def __init__(self):
+    self.tdef: Any = None  # the residuals' structure (a vjp function's).
+    self.where: list[tuple[str, int]] = []  # each residual's _source.
+    self.out: Any = None  # the per-layer outputs' ShapeDtypeStructs.
+
+
 def _reducing_scan(f, init, xs, found, table, opts):
   """``lax.scan(f, init, xs)`` whose backward reduces the found leaves'
   layers in its loop (:func:`scan_layers`)."""
-  x_leaves, x_def = jax.tree.flatten(xs)
-  first = jax.tree.map(lambda x: x[0], xs)
-  fn, consts = jax.closure_convert(f, init, first)
-  positions = sorted(found)
-  probes = [found[p][1] for p in positions]
-  runs = [table.runs[found[p][0]] for p in positions]
-  saved = {}
-
-  def layer(c, x, k):
-    return fn(c, x_def.unflatten(x), *k)
+  x_def = jax.tree.structure(xs)
+  fn, consts = jax.closure_convert(f, init, jax.tree.map(lambda x: x[0], xs))
+  layer = lambda c, x, k: fn(c, x_def.unflatten(x), *k)
+  plan = _Plan(layer, sorted(found), table, init, opts)
+  saved = _Saved()
 
   @jax.custom_vjp
   def run(init, x_leaves, consts, probes, runs):
@@ -216,58 +231,71 @@ def _reducing_scan(f, init, xs, found, table, opts):
 
   def fwd(init, x_leaves, consts, probes, runs):
     del probes
+    return _forward(plan, saved, init, x_leaves, consts, runs)
 
-    def body(c, x):
-      out, vjp_fn = jax.vjp(layer, c, x, consts)
-      res, tdef = jax.tree.flatten(vjp_fn)
-      where = [_source(r, x, consts) for r in res]
-      saved.update(tdef=tdef, where=where, out=jax.tree.map(
-          lambda v: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)),
-          out[1]))
-      return out[0], (out[1], [r for r, w in zip(res, where) if w[0] == "s"])
+  run.defvjp(fwd, lambda res, cts: _backward(plan, saved, res, cts))
+  return run(init, jax.tree.leaves(xs), consts,
+             [found[p][1] for p in plan.positions],
+             [table.runs[found[p][0]] for p in plan.positions])
 
-    carry, (ys, stacked) = lax.scan(body, init, x_leaves, **opts)
-    return (carry, ys), (stacked, x_leaves, consts, runs)
 
-  def bwd(res, cts):
-    stacked, x_leaves, consts, runs = res
-    g_carry, g_ys = cts
-    y_leaves, y_def = jax.tree.flatten(saved["out"])
-    y_float = [_is_float(y) for y in y_leaves]
-    g_y_leaves = [g for g, fl in zip(jax.tree.leaves(g_ys), y_float) if fl]
-    k_float = [_is_float(k) for k in consts]
+def _forward(plan: _Plan, saved: _Saved, init, x_leaves, consts, runs):
+  """The layers, each one's backward residuals stacked but those that are
+  its inputs (the layer's weights, the closed-over values)."""
 
-    def body(carry, sl):
-      g_c, g_k = carry
-      st, x, run, g_y = sl
-      it = iter(st)
-      vjp_fn = saved["tdef"].unflatten([
-          next(it) if kind == "s" else x[j] if kind == "x" else consts[j]
-          for kind, j in saved["where"]])
-      g_ys_full = iter(g_y)
-      ct_y = y_def.unflatten([next(g_ys_full) if fl else _float0_like(y)
-                              for y, fl in zip(y_leaves, y_float)])
-      g_prev, g_x, g_kk = vjp_fn((g_c, ct_y))
-      totals = [table.combine(r, g_x[p]) for r, p in zip(run, positions)]
-      kept = [g for p, g in enumerate(g_x) if p not in found]
-      g_k = [a + b for a, b in zip(g_k, [g for g, fl in zip(g_kk, k_float)
-                                          if fl])]
-      return (axes.varying_like(g_prev, init), g_k), (kept, totals)
+  def body(c, x):
+    out, vjp_fn = jax.vjp(plan.layer, c, x, consts)
+    res, saved.tdef = jax.tree.flatten(vjp_fn)
+    saved.where = [_source(r, x, consts) for r in res]
+    saved.out = jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)),
+        out[1])
+    return out[0], (out[1], [r for r, w in zip(res, saved.where)
+                             if w[0] == "s"])
 
-    zero_k = [axes.varying_like(jnp.zeros_like(k), k)
-              for k, fl in zip(consts, k_float) if fl]
-    reverse = not opts["reverse"]
-    (g_init, g_k), (kept, totals) = lax.scan(
-        body, (axes.varying_like(g_carry, init), zero_k),
-        (stacked, x_leaves, runs, g_y_leaves),
-        length=opts["length"], reverse=reverse, unroll=opts["unroll"])
-    kept = iter(kept)
-    g_x = [axes.varying_like(jnp.zeros_like(x), x) if p in found else next(kept)
-           for p, x in enumerate(x_leaves)]
-    g_k = iter(g_k)
-    g_consts = [next(g_k) if fl else _float0_like(k)
-                for k, fl in zip(consts, k_float)]
-    return g_init, g_x, g_consts, totals, [None] * len(runs)
+  carry, (ys, stacked) = lax.scan(body, init, x_leaves, **plan.opts)
+  return (carry, ys), (stacked, x_leaves, consts, runs)
 
-  run.defvjp(fwd, bwd)
-  return run(init, x_leaves, consts, probes, runs)
+
+def _backward(plan: _Plan, saved: _Saved, res, cts):
+  """The layers' backward loop: each reduced leaf's layer slice, its
+  running sum added, summed over the devices in the loop body (the probes'
+  cotangents); the other leaves' cotangents as ``lax.scan``'s."""
+  stacked, x_leaves, consts, runs = res
+  g_carry, g_ys = cts
+  y_leaves, y_def = jax.tree.flatten(saved.out)
+  y_float = [_is_float(y) for y in y_leaves]
+  k_float = [_is_float(k) for k in consts]
+  reduced = set(plan.positions)
+
+  def body(carry, sl):
+    g_c, g_k = carry
+    st, x, run, g_y = sl
+    st, g_y = iter(st), iter(g_y)
+    vjp_fn = saved.tdef.unflatten([
+        next(st) if kind == "s" else x[j] if kind == "x" else consts[j]
+        for kind, j in saved.where])
+    g_prev, g_x, g_kk = vjp_fn((g_c, y_def.unflatten([
+        next(g_y) if fl else _float0_like(y)
+        for y, fl in zip(y_leaves, y_float)])))
+    totals = [plan.table.combine(r, g_x[p])
+              for r, p in zip(run, plan.positions)]
+    kept = [g for p, g in enumerate(g_x) if p not in reduced]
+    g_k = [a + b for a, b in zip(
+        g_k, [g for g, fl in zip(g_kk, k_float) if fl])]
+    return (axes.varying_like(g_prev, plan.init), g_k), (kept, totals)
+
+  zero_k = [axes.varying_like(jnp.zeros_like(k), k)
+            for k, fl in zip(consts, k_float) if fl]
+  (g_init, g_k), (kept, totals) = lax.scan(
+      body, (axes.varying_like(g_carry, plan.init), zero_k),
+      (stacked, x_leaves, runs,
+       [g for g, fl in zip(jax.tree.leaves(g_ys), y_float) if fl]),
+      length=plan.opts["length"], reverse=not plan.opts["reverse"],
+      unroll=plan.opts["unroll"])
+  kept, g_k = iter(kept), iter(g_k)
+  g_x = [axes.varying_like(jnp.zeros_like(x), x) if p in reduced
+         else next(kept) for p, x in enumerate(x_leaves)]
+  g_consts = [next(g_k) if fl else _float0_like(k)
+              for k, fl in zip(consts, k_float)]
+  return g_init, g_x, g_consts, totals, [None] * len(runs)
