@@ -5,20 +5,30 @@ Where a model stacks its layers into one leaf per weight and runs them with
 backward loop ends, so the one reduction of that leaf starts after it, even
 with the last micro-batch peeled out of the micro-batch loop
 (``overlap_reduction=True``). This probe writes by hand, in a
-``jax.shard_map`` over 8 data-parallel devices, what a library helper for
-scanned layers would do: in the peeled last micro-batch, a ``custom_vjp``
-scan whose backward adds each layer's running sum (of the earlier
-micro-batches) to that layer's gradient and ``psum``s it inside the
-backward loop, one layer at a time, instead of once after it. Nothing here
-is library code: it measures whether the compilers then overlap those
-reductions, on compile-only devices, and checks on 8 CPU devices that the
-gradient is the full batch's.
+``jax.shard_map`` over 8 data-parallel devices, what
+:func:`optax_accum.scan_layers` does: in the peeled last micro-batch, a
+``custom_vjp`` scan whose backward adds each layer's running sum (of the
+earlier micro-batches) to that layer's gradient and ``psum``s it inside the
+backward loop, one layer at a time, instead of once after it; beside it,
+the library's own (``oa.scan_layers`` as the model's layer scan under
+``oa.value_and_grad(..., overlap_reduction=True)``). It measures whether
+the compilers then overlap those reductions, on compile-only devices, and
+checks on 8 CPU devices that the gradient is the full batch's.
 
 The model: token embedding (4096 x 512), 16 layers ``tanh(h @ W_l)`` stacked
 in one (16, 512, 512) leaf, unembedding (512 x 4096), a summed squared
-error; k = 4 micro-batches of 64 rows. Variants: ``plain`` (the peeled step
-reduces every leaf after the backward) and ``in loop`` (the stacked leaf
-reduced per layer inside it). Results: ``results/scanned_layers.md``::
+error; k = 4 micro-batches of 64 rows. Variants: ``plain`` (the hand-written
+peeled step reduces every leaf after the backward), ``in loop`` (the stacked
+leaf reduced per layer inside it), ``library`` (``jax.shard_map`` of
+``oa.value_and_grad(loss, num_microbatches=k, axis_name="data",
+overlap_reduction=True, loss_reduction="sum")``, the loss's layer scan
+``oa.scan_layers``) and ``library, lax.scan`` (the same with ``lax.scan``,
+its control). The compiled modes print per variant the peak memory, the
+report of :func:`optax_accum.reduction_overlap` (reductions after the
+loops), the reductions inside loops, and ``share``: the bytes overlapped
+after the loops plus those of asynchronous in-loop reductions with matrix
+multiplies between start and done, over all gradient reduction bytes.
+Results: ``results/scanned_layers.md``::
 
   python benchmarks/probe_scanned_layers.py cpu     # exactness, 8 CPUs
   python benchmarks/probe_scanned_layers.py tpu     # TPU v5e, overlap flags
@@ -32,6 +42,7 @@ unless it is set; ``gpu`` takes ``XLA_FLAGS`` as given (no combining:
 
 import json
 import os
+import re
 import sys
 
 import jax
@@ -50,6 +61,7 @@ if _ROOT not in sys.path:
 import optax_accum as oa  # noqa: E402
 from optax_accum._src.compiled import hlo_text  # noqa: E402
 from optax_accum._src.compiled import matmul_flops  # noqa: E402
+from optax_accum._src.compiled import step_reading  # noqa: E402
 import overlap_candidates  # noqa: E402
 from zoo import compile_only as co  # noqa: E402
 
@@ -130,6 +142,42 @@ def step(in_loop: bool):
   return run
 
 
+def _library_scan(h, stacked):
+  return oa.scan_layers(lambda c, w: (_layer(c, w), None), h, stacked)[0]
+
+
+def _library_step(scan):
+  """The library's step: ``oa.value_and_grad`` with the last micro-batch
+  peeled, the loss's layer scan ``oa.scan_layers`` or ``lax.scan``.
+
+  The loss is a sum over rows (``loss_reduction="sum"``), each row one
+  token (``num_tokens_fn``, read off the micro-batch: every id is
+  non-negative): the library returns the per-row mean, the sum
+  of the micro-batches' gradients over the batch's rows (``BATCH``, a power
+  of two: ``BATCH`` times it is the full batch's summed gradient, exactly).
+  """
+  return oa.value_and_grad(
+      lambda params, microbatch: _loss(params, microbatch, scan),
+      num_microbatches=K, axis_name=AXIS, overlap_reduction=True,
+      loss_reduction="sum",
+      num_tokens_fn=lambda mb: jnp.sum(mb["ids"] >= 0, dtype=jnp.float32))
+
+
+# Each variant's per-device step, and the factor that makes its gradient the
+# full batch's summed gradient.
+VARIANTS = {
+    "plain": (lambda: step(False), 1),
+    "in loop": (lambda: step(True), 1),
+    "library": (lambda: _library_step(_library_scan), BATCH),
+    "library, lax.scan": (lambda: _library_step(_scan), BATCH),
+}
+
+
+def _gradient(out):
+  """The gradient of a step's output (the library's is ``(value, grads)``)."""
+  return out[1] if isinstance(out, tuple) else out
+
+
 def _shapes():
   params = {"embed": (VOCAB, DIM), "layers": (LAYERS, DIM, DIM),
             "unembed": (DIM, VOCAB)}
@@ -138,13 +186,13 @@ def _shapes():
           {k: jax.ShapeDtypeStruct(*s) for k, s in batch.items()})
 
 
-def _sharded(mesh, in_loop):
-  return jax.shard_map(step(in_loop), mesh=mesh, in_specs=(P(), P(AXIS)),
-                       out_specs=P())
+def _sharded(mesh, variant):
+  return jax.shard_map(VARIANTS[variant][0](), mesh=mesh,
+                       in_specs=(P(), P(AXIS)), out_specs=P())
 
 
 def exactness():
-  """Largest |ours - full batch| of each leaf, both variants (8 CPUs)."""
+  """Largest |ours - full batch| of each leaf, every variant (8 CPUs)."""
   mesh = co.mesh(jax.devices()[:8], (8,), (AXIS,))
   rng = np.random.default_rng(0)
   ps, _ = _shapes()
@@ -157,45 +205,96 @@ def exactness():
                                       for k, v in full.items()}}
   params = jax.device_put(params, NamedSharding(mesh, P()))
   batch = jax.device_put(batch, NamedSharding(mesh, P(AXIS)))
-  for in_loop in (False, True):
+  for variant, (_, scale) in VARIANTS.items():
     with jax.set_mesh(mesh):
-      got = jax.jit(_sharded(mesh, in_loop))(params, batch)
-    out["in loop" if in_loop else "plain"] = {
-        k: float(jnp.abs(got[k] - full[k]).max()) for k in full}
+      got = _gradient(jax.jit(_sharded(mesh, variant))(params, batch))
+    out[variant] = {k: float(jnp.abs(got[k] * scale - full[k]).max())
+                    for k in full}
   return out
 
 
+def _trips(computations):
+  """How many times each while loop's body runs per step (its trip count,
+  times those of the loops around it; 1 where XLA does not know it)."""
+  inside = {}  # body -> (the computation holding its while, trips).
+  for name, body in computations.items():
+    for opcode, rest, _ in body:
+      match = re.search(r"body=%?([\w.\-]+)", rest)
+      if opcode == "while" and match:
+        inside[match.group(1)] = (name, step_reading.trip_count(
+            rest, computations) or 1)
+
+  def times(name, seen=()):
+    if name not in inside or name in seen:
+      return 1
+    holder, trips = inside[name]
+    return trips * times(holder, seen + (name,))
+
+  return {name: times(name) for name in computations}
+
+
+def _bytes(line):
+  return sum(hlo_text.ITEMSIZE[t] * int(np.prod(d))
+             for t, d in hlo_text.result_shapes(line))
+
+
 def _in_loop_reductions(text):
-  """Gradient-sized all-reduces outside the entry computation (in loop
-  bodies): bytes, asynchronous, matrix multiplies between start and done.
-  XLA GPU's start/done pairs only: XLA TPU's asynchronous collective
-  fusions are read as synchronous here (read them in the HLO)."""
+  """Gradient-sized all-reduces in loop bodies (not the entry computation):
+  bytes of one, times run per step (the loop's trip count), asynchronous,
+  matrix multiplies and their flops between start and done. XLA GPU's
+  ``all-reduce-start``/``-done`` pairs, and XLA TPU's asynchronous
+  collective fusions (``async-collective-start``, a fusion computing beside
+  the all-reduce, ``async-collective-done``), read as one reduction of the
+  done's bytes."""
   entry, computations = hlo_text.parse(text)
   counter = matmul_flops.Counter(computations)
+  trips = _trips(computations)
+  fused = {callee for body in computations.values()
+           for opcode, rest, _ in body if opcode == "fusion"
+           for callee in re.findall(r"calls=%?([\w.\-]+)", rest)}
+
+  def reduces(rest):  # a fusion whose computation holds an all-reduce.
+    return any(op == "all-reduce" for callee in re.findall(
+        r"calls=%?([\w.\-]+)", rest) for op, _, _ in computations[callee])
+
   found = []
   for name, body in computations.items():
-    if name == entry:
+    if name == entry or name in fused:
       continue
-    starts = {}
+    starts, fusion_start = {}, None
     for i, (opcode, rest, line) in enumerate(body):
-      if opcode in ("all-reduce", "all-reduce-start"):
-        shapes = hlo_text.result_shapes(line)
-        nbytes = sum(hlo_text.ITEMSIZE[t] * int(np.prod(d)) for t, d in shapes)
-        if nbytes < 64 * 1024:
+      named = hlo_text.instruction_name(line)
+      if opcode == "fusion" and named.startswith("async-collective-start"):
+        fusion_start = i if reduces(rest) else None
+        continue
+      if (opcode == "fusion" and named.startswith("async-collective-done")
+          and fusion_start is not None):
+        start, nbytes, fusion_start = fusion_start, _bytes(line), None
+      elif opcode in ("all-reduce", "all-reduce-start"):
+        if _bytes(line) < 64 * 1024:
           continue
         if opcode == "all-reduce":
-          found.append({"in": name, "bytes": nbytes, "asynchronous": False,
-                        "matmuls_between": 0})
+          found.append({"in": name, "bytes": _bytes(line),
+                        "times": trips[name], "asynchronous": False,
+                        "matmuls_between": 0, "flops_between": 0})
         else:
-          starts[hlo_text.instruction_name(line)] = (i, nbytes)
+          starts[named] = (i, _bytes(line))
+        continue
       elif opcode == "all-reduce-done":
         operand = rest.split("(", 1)[1].split(")")[0].split()[-1].lstrip("%")
-        if operand in starts:
-          start, nbytes = starts.pop(operand)
-          matmuls = sum(counter.of_instruction(*body[j][:3], name)[1]
-                        for j in range(start + 1, i))
-          found.append({"in": name, "bytes": nbytes, "asynchronous": True,
-                        "matmuls_between": matmuls})
+        if operand not in starts:
+          continue
+        start, nbytes = starts.pop(operand)
+      else:
+        continue
+      if nbytes < 64 * 1024:
+        continue
+      between = [counter.of_instruction(*body[j][:3], name)
+                 for j in range(start + 1, i)]
+      found.append({"in": name, "bytes": nbytes, "times": trips[name],
+                    "asynchronous": True,
+                    "matmuls_between": sum(m for _, m in between),
+                    "flops_between": sum(f for f, _ in between)})
   return found
 
 
@@ -207,14 +306,23 @@ def compiled_reading(platform):
   bs = co.abstract(bs, mesh, jax.tree.map(lambda _: P(AXIS), bs))
   out = {"flags": os.environ.get("XLA_FLAGS" if platform == "gpu"
                                  else "LIBTPU_INIT_ARGS", "")}
-  for in_loop in (False, True):
+  for variant in VARIANTS:
     with jax.set_mesh(mesh):
-      compiled = jax.jit(_sharded(mesh, in_loop)).lower(ps, bs).compile()
+      compiled = jax.jit(_sharded(mesh, variant)).lower(ps, bs).compile()
     report = oa.reduction_overlap(compiled)
-    out["in loop" if in_loop else "plain"] = {
+    inside = _in_loop_reductions(compiled.as_text())
+    hidden = report.overlapped_bytes + sum(
+        r["bytes"] * r["times"] for r in inside
+        if r["asynchronous"] and r["flops_between"])
+    out[variant] = {
         "peak_MiB": compiled.memory_analysis().peak_memory_in_bytes / 2**20,
         "after the loops": str(report),
-        "inside loops": _in_loop_reductions(compiled.as_text()),
+        "inside loops": inside,
+        # Overlapped after the loops, and asynchronous in a loop with matrix
+        # multiplies between start and done (each trip's), over all
+        # gradient reduction bytes.
+        "share": hidden / (report.total_bytes
+                           + sum(r["bytes"] * r["times"] for r in inside)),
     }
   return out
 

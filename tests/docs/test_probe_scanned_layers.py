@@ -1,6 +1,7 @@
 """The scanned-layers probe (benchmarks/probe_scanned_layers.py): its
-per-layer reduction inside the backward loop gives the full batch's gradient,
-as its results file says."""
+per-layer reduction inside the backward loop, hand-written and the
+library's (``oa.scan_layers`` in ``oa.value_and_grad``), gives the full
+batch's gradient, as its results file says."""
 
 import importlib
 import pathlib
@@ -24,9 +25,11 @@ def test_the_per_layer_reduction_is_the_full_batch_gradient():
     for name in [p.stem for p in BENCHMARKS.glob("*.py")]:
       sys.modules.pop(name, None)
   largest = got["full batch, largest |g|"]
-  for variant in ("plain", "in loop"):
+  for variant in ("plain", "in loop", "library", "library, lax.scan"):
     for leaf, error in got[variant].items():
       # float32 sums of 256 rows in another order: a few ulps of the
       # largest entry. A reduction left out or doubled is off by O(1).
       assert error <= 1e-5 * largest[leaf], (variant, leaf, error)
   assert got["in loop"]["layers"] <= 2 * got["plain"]["layers"] + 1e-6
+  assert got["library"]["layers"] <= (
+      2 * got["library, lax.scan"]["layers"] + 1e-6)
