@@ -153,8 +153,19 @@ class Layout(Protocol):
     it (:mod:`scanned_layers`): where :meth:`reduce` all-reduces it whole,
     once."""
 
+  def sum_in_loop(self, running: Any, g: Any,
+                  c: token_weighting.Contribution) -> Any:
+    """A leaf's (or its layer slice's) running sum with the last
+    micro-batch's gradient ``g`` added as ``c`` says, summed over the data
+    axes, typed like the parameter (for :meth:`reducible_in_loop`'s leaves:
+    :mod:`scanned_layers`)."""
+
   def reduce(self, partials: Partials) -> Partials:
-    """The one reduction over the data axes (the identity without one)."""
+    """The one reduction over the data axes (the identity without one).
+
+    A leaf with a part already summed in the loop (``partials.in_loop``) has
+    the rest summed and that part added.
+    """
 
   def gather_rows(self, reps: Any, batch: Any) -> tuple[Any, Any]:
     """Gradient caching: every device's rows of ``reps``, in device order,
@@ -225,6 +236,9 @@ class SingleLayout(NamedTuple):
 
   def reducible_in_loop(self):
     return []
+
+  def sum_in_loop(self, running, g, c):
+    raise AssertionError("no data axis: nothing is reduced in a loop.")
 
   def reduce(self, partials):
     return partials

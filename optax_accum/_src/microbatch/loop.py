@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from optax_accum._src import names
 from optax_accum._src import validation
 from optax_accum._src.mesh import axes
+from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import batching
 from optax_accum._src.microbatch import borrowing
 from optax_accum._src.microbatch import empty_safe
@@ -157,18 +158,23 @@ def _differentiate(loss, opts, borrow, inputs, lay, params, model_state,
   :mod:`borrowing` says; with ``runs`` (leaf index -> running sum), its
   scanned layers reduced as :mod:`scanned_layers` says."""
   rng = _rng_for(inputs, index, lay)
+  source = index if borrow is None else borrow.source_of(index)
+  microbatch = batching.take(batch_split, source)
+  args = (model_state, microbatch, inputs, rng)
+
+  def contribution():
+    tokens = (borrow.counts[index] if borrow is not None
+              and borrow.counts is not None
+              else _token_count(opts.num_tokens_fn, microbatch))
+    return token_weighting.contribution(tokens, opts.loss_reduction)
+
+  if runs:
+    c = contribution()
+    d = scanned_layers.differentiate(lambda p: loss(p, *args), params, runs,
+                                     c, lay.sum_in_loop)
+    return _Differentiated(d.value, d.rest, d.grads, c, d.added, microbatch,
+                           d.totals)
   if borrow is None:
-    microbatch = batching.take(batch_split, index)
-    args = (model_state, microbatch, inputs, rng)
-    contribution = lambda: token_weighting.contribution(
-        _token_count(opts.num_tokens_fn, microbatch), opts.loss_reduction)
-    if runs:
-      c = contribution()
-      d = scanned_layers.differentiate(
-          loss, params, args, runs, c,
-          lambda x: jax.lax.psum(x, lay.device_axis))
-      return _Differentiated(d.value, d.rest, d.grads, c, d.added,
-                             microbatch, d.totals)
     if token_weighting.counts_each(opts.num_tokens_fn):
       c = contribution()  # an empty micro-batch is dropped, derivative too.
       (value, rest), grads = empty_safe.value_and_grad(loss, c.keep, params,
@@ -179,13 +185,9 @@ def _differentiate(loss, opts, borrow, inputs, lay, params, model_state,
           params, *args)
       c = contribution()
     return _Differentiated(value, rest, grads, c, c, microbatch)
-  microbatch = batching.take(batch_split, borrow.source_of(index))
-  value, vjp_fn, rest = jax.vjp(
-      lambda p: loss(p, model_state, microbatch, inputs, rng), params,
-      has_aux=True)
-  tokens = (_token_count(opts.num_tokens_fn, microbatch)
-            if borrow.counts is None else borrow.counts[index])
-  c = token_weighting.contribution(tokens, opts.loss_reduction)
+  value, vjp_fn, rest = jax.vjp(lambda p: loss(p, *args), params,
+                                has_aux=True)
+  c = contribution()
   grads, added = borrowing.weighted_grads(vjp_fn, value, c)
   return _Differentiated(value, rest, grads, c, added, microbatch)
 
@@ -224,13 +226,18 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
   init = (_zero_sums(params, opts, plan, lay, rules), inputs.model_state)
   borrow = _borrowing(opts, params, inputs, batch_split, plan, rules, lay)
 
-  in_loop = {}
+  peeled = trip_count.peeled(opts.overlap_reduction, opts.num_microbatches,
+                             lay.reduces_only_after_loop())
+  in_loop = {}  # leaf index -> its sum reduced in the last micro-batch.
+  watch = scanned_layers.Watch()
+  reducible = _reducible_in_loop(opts, lay, rules, params) if peeled else []
 
   def step_over(params, batch_split, reducible=()):
     def step(carry, index):
       sums, model_state = carry
       running = jax.tree.leaves(sums.grads)
-      d = _differentiate(loss, opts, borrow, inputs, lay,
+      d = _differentiate(loss if reducible else loss_in_loop, opts, borrow,
+                         inputs, lay,
                          lay.for_microbatch(params, index),
                          model_state, batch_split, index,
                          {i: running[i] for i in reducible})
@@ -238,7 +245,7 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
         in_loop.update(d.totals)
         sums = sums._replace(grads=jax.tree.unflatten(
             jax.tree.structure(sums.grads),
-            [jnp.zeros_like(s) if i in d.totals else s
+            [_zeros_like_sum(s, lay) if i in d.totals else s
              for i, s in enumerate(running)]))
       value, (new_state, aux), grads, c = d.value, d.rest, d.grads, d.c
       model_state = axes.varying_like(new_state, model_state)
@@ -268,12 +275,16 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
     _, held, leaves = jax.lax.optimization_barrier(
         (carry[0].tokens, params, batch_split.leaves))
     return step_over(held, batch_split._replace(leaves=leaves),
-                     _reducible_in_loop(opts, lay, rules, params))
+                     sorted(watch.hits) if watch.seeds else ())
+
+  # The loop's trace notes which leaves the model's scanned layers take, so
+  # that only a model that runs them by scan_layers has its last
+  # micro-batch differentiated by scanned_layers.
+  loss_in_loop = (scanned_layers.watching(loss, watch, reducible)
+                  if reducible else loss)
 
   step = step_over(params, batch_split)
-  last = last_step if trip_count.peeled(
-      opts.overlap_reduction, opts.num_microbatches,
-      lay.reduces_only_after_loop()) else None
+  last = last_step if peeled else None
   with jax.named_scope(names.LOOP_SCOPE):
     if borrow is None:
       (sums, model_state), (values, stacked) = trip_count.run_microbatches(
@@ -290,14 +301,20 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
                        borrow is not None and last is not None, totals)
 
 
+def _zeros_like_sum(s, lay: layout.Layout):
+  """Zeros typed like the running sum ``s`` (unreduced, device-local)."""
+  return lay.device_local(jnp.zeros(jnp.shape(s), s.dtype,
+                                    out_sharding=readers.explicit_spec(s)))
+
+
 def _reducible_in_loop(opts: Options, lay: layout.Layout, rules,
                        params) -> list[int]:
   """The leaves whose layers :mod:`scanned_layers` may reduce in the last
   micro-batch: summed once over manual data axes, not sharded over them, by
   the "mean" rule, and not read per device (``with_stats``)."""
-  if opts.with_stats or lay.device_axis is None:
-    return []
   ok = lay.reducible_in_loop()
+  if opts.with_stats or not any(ok):
+    return []
   n = len(jax.tree.leaves(params))
   rules = [grad_reduction_lib.MEAN] * n if rules is None else rules
   return [i for i in range(n)

@@ -203,6 +203,10 @@ class ManualLayout(NamedTuple):
             and not self._gathers_in_loop(s) and not self._syncs_in_loop(s)
             for s in specs]
 
+  def sum_in_loop(self, running, g, c):
+    return lax.psum(running + token_weighting.weighted(g, c, running.dtype),
+                    self.axis_name)
+
   def reduce(self, partials):
     """Sums the partials over the data axes: the one reduction of a call.
 

@@ -33,20 +33,34 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from optax_accum._src.mesh import axes
+from optax_accum._src.mesh import readers
 from optax_accum._src.rules import token_weighting
 
 _SEEDS = (jnp.float32, jnp.float64)
 _ACTIVE = threading.local()
 
 
-class _Table:
-  """The reducible leaves of one differentiation of the last micro-batch."""
+class Watch:
+  """What the micro-batch loop's trace of ``loss_fn`` showed: the parameter
+  leaves it handed to :func:`scan_layers`, and whether its loss's dtype
+  holds a seed (float32, float64: :func:`differentiate`)."""
 
-  def __init__(self, runs: dict[int, jax.Array]):
+  def __init__(self):
+    self.hits: set[int] = set()  # leaf indices.
+    self.seeds = True
+
+
+class _Table:
+  """The reducible leaves of one differentiation of the last micro-batch;
+  or, with ``watch``, those of the loop's, only noted."""
+
+  def __init__(self, runs: dict[int, jax.Array], watch: Watch | None = None):
     self.runs = runs  # leaf index -> this device's running sum.
+    self.watch = watch
     self.by_id: dict[int, tuple[int, Any]] = {}  # id(leaf) -> (index, probe).
     self.combine: Callable[[jax.Array, jax.Array], jax.Array] | None = None
     self.used: set[int] = set()  # leaf indices a scan reduced.
@@ -82,38 +96,56 @@ class Differentiated(NamedTuple):
   # and devices, reduced in the scan's backward loop (invariant).
 
 
-def differentiate(loss: Callable[..., Any], params: Any, args: tuple,
+def watching(loss: Callable[..., Any], watch: Watch,
+             leaves: list[int]) -> Callable[..., Any]:
+  """``loss(params, *args)``, noting in ``watch`` which of the parameter
+  leaves ``leaves`` (flattened indices) it hands to :func:`scan_layers`,
+  and its value's dtype."""
+
+  def watched(params, *args):
+    table = _Table({}, watch)
+    seen = jax.tree.leaves(params)
+    table.by_id = {id(seen[i]): (i, None) for i in leaves}
+    with _active(table):
+      out = loss(params, *args)
+    watch.seeds = watch.seeds and jnp.result_type(out[0]) in _SEEDS
+    return out
+
+  return watched
+
+
+def differentiate(loss: Callable[[Any], Any], params: Any,
                   runs: dict[int, jax.Array],
                   c: token_weighting.Contribution,
-                  reduce: Callable[[jax.Array], jax.Array]) -> Differentiated:
-  """``loss(params, *args)`` differentiated, its scanned layers reduced.
+                  reduce: Callable[..., jax.Array]) -> Differentiated:
+  """``loss(params)`` (a value and its aux) differentiated, its scanned
+  layers reduced.
 
   ``runs`` maps the index of each reducible parameter leaf (flattened) to
-  this device's running sum of the earlier micro-batches; ``reduce`` sums an
-  array over the data axes. The loss is differentiated with the seed
-  ``c``'s weight where its dtype holds it (float32, float64: then the
-  gradient leaves the backward weighted), else with one and each term
-  multiplied, as the plain loop does.
+  this device's running sum of the earlier micro-batches; ``reduce(running,
+  g, c)`` adds a gradient as ``c`` says and sums it over the data axes
+  (``layout.Layout.sum_in_loop``). The loss (float32 or float64:
+  :class:`Watch`) is differentiated with the seed ``c``'s weight: the
+  gradient leaves the backward weighted, so that a leaf used only by the
+  scan has a gradient XLA sees is zero, and drops its reduction (a zero
+  multiplied by the weight after it would be reduced all the same).
   """
   table = _Table(runs)
-  probes = {i: jnp.zeros(jnp.shape(r), jnp.result_type(r))
+  probes = {i: jnp.zeros(jnp.shape(r), jnp.result_type(r),
+                        out_sharding=_plain(r))
             for i, r in runs.items()}
 
   def with_table(p, probes):
     seen = jax.tree.leaves(p)
     table.by_id = {id(seen[i]): (i, probes[i]) for i in runs}
     with _active(table):
-      return loss(p, *args)
+      return loss(p)
 
   value, vjp_fn, rest = jax.vjp(with_table, params, probes, has_aux=True)
-  ones = jnp.ones([], c.weight.dtype)
-  if jnp.result_type(value) in _SEEDS:
-    seed = jnp.where(c.keep, c.weight, jnp.zeros([], c.weight.dtype))
-    seed, added = seed.astype(jnp.result_type(value)), c._replace(weight=ones)
-  else:
-    seed, added = jnp.ones_like(value), c
-  table.combine = lambda run, g: reduce(
-      run + token_weighting.weighted(g, added, run.dtype))
+  seed = jnp.where(c.keep, c.weight, jnp.zeros([], c.weight.dtype))
+  seed = axes.varying_like(seed.astype(jnp.result_type(value)), value)
+  added = c._replace(weight=jnp.ones([], c.weight.dtype))
+  table.combine = lambda run, g: reduce(run, g, added)
   grads, totals = vjp_fn(seed)
   return Differentiated(value, rest, grads, added,
                         {i: totals[i] for i in sorted(table.used)})
@@ -171,6 +203,9 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
       hit = table.by_id.get(id(leaf))
       if hit is not None and hit[0] not in table.used:
         found[p] = hit
+  if found and table.watch is not None:  # the loop's trace: noted only.
+    table.watch.hits.update(i for i, _ in found.values())
+    found = {}
   if not found:
     return lax.scan(f, init, xs, length=length, reverse=reverse,
                     unroll=unroll)
@@ -189,6 +224,25 @@ def _source(r: Any, x: list[Any], consts: list[Any]) -> tuple[str, int]:
     if r is leaf:
       return "k", j
   return "s", -1
+
+
+def _plain(x: Any) -> P | None:
+  """``x``'s type's spec without its reduced and unreduced axes; None
+  where its type names no mesh axes (manual ones: inside shard_map)."""
+  spec = readers.full_spec(x)
+  if not readers.spec_names(spec) and not getattr(spec, "unreduced", None):
+    return None
+  return P(*readers.partitions(spec))
+
+
+def _zero_cotangent(x: Any) -> Any:
+  """Zeros typed as the cotangent of ``x``: unreduced where ``x`` is typed
+  reduced, varying where it varies."""
+  spec = readers.full_spec(x)
+  if getattr(spec, "reduced", None):
+    return jnp.zeros(jnp.shape(x), jnp.result_type(x), out_sharding=P(
+        *readers.partitions(spec), unreduced=spec.reduced))
+  return axes.varying_like(jnp.zeros_like(x), x)
 
 
 def _float0_like(x: Any) -> np.ndarray:
@@ -294,7 +348,7 @@ def _backward(plan: _Plan, saved: _Saved, res, cts):
       length=plan.opts["length"], reverse=not plan.opts["reverse"],
       unroll=plan.opts["unroll"])
   kept, g_k = iter(kept), iter(g_k)
-  g_x = [axes.varying_like(jnp.zeros_like(x), x) if p in reduced
+  g_x = [_zero_cotangent(x) if p in reduced
          else next(kept) for p, x in enumerate(x_leaves)]
   g_consts = [next(g_k) if fl else _float0_like(k)
               for k, fl in zip(consts, k_float)]

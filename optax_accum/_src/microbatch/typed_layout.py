@@ -280,8 +280,12 @@ class TypedLayout(NamedTuple):
     return total
 
   def reducible_in_loop(self):
-    """None: the typed loop's sums are reduced by their types."""
+    """None. A layer loop would slice an unreduced running sum, and JAX has
+    no unreduced rule for ``dynamic_slice`` (jax 0.10.2)."""
     return [False] * len(self.targets)
+
+  def sum_in_loop(self, running, g, c):
+    raise AssertionError("the typed form reduces no leaf in a loop.")
 
   def reduces_only_after_loop(self):
     """Every leaf reduced after the loop (none replicated, none synced in

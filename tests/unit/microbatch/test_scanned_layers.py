@@ -39,9 +39,17 @@ def _batch(mask=None):
           "mask": jnp.asarray(mask, jnp.float32)}
 
 
+def _embed(table, ids):
+  """``table[ids]``, typed where ``ids`` is sharded over Explicit axes."""
+  spec = jax.typeof(ids).sharding.spec
+  if not any(spec):  # inside shard_map, or replicated.
+    return table[ids]
+  return table.at[ids].get(out_sharding=P(*spec, None))
+
+
 def _loss(scan, penalty=None, loss_dtype=None):
   def loss(params, batch):
-    h = params["embed"][batch["ids"]]
+    h = _embed(params["embed"], batch["ids"])
     h, _ = scan(lambda c, w: (jnp.tanh(c @ w), None), h, params["layers"])
     err = ((h @ params["unembed"]).astype(jnp.float32) - batch["y"]) ** 2
     mask = batch["mask"]
@@ -162,9 +170,9 @@ def test_an_empty_last_microbatch_adds_nothing():
 
 @pytest.mark.parametrize("loss_dtype", [None, jnp.bfloat16])
 def test_bf16_params_summed_in_float32_match_lax_scan(loss_dtype):
-  """Half-precision parameters with a float32 accumulator (the in-loop sum
-  is in the accumulator's dtype), and a bfloat16 loss (not the seed: each
-  term multiplied, as the plain loop does)."""
+  """Half-precision parameters with a float32 accumulator: the in-loop sum
+  is in the accumulator's dtype. A bfloat16 loss cannot carry the token
+  weight as its seed exactly: then the stack is reduced after the loop."""
   params, batch = _params(jnp.bfloat16), _batch()
   kwargs = dict(overlap_reduction=True, accumulator_dtype=jnp.float32)
   got, text = _step(_loss(oa.scan_layers, loss_dtype=loss_dtype),
@@ -175,7 +183,47 @@ def test_bf16_params_summed_in_float32_match_lax_scan(loss_dtype):
       jax.tree.map(lambda x: x.astype(jnp.float32), got),
       jax.tree.map(lambda x: x.astype(jnp.float32), want), rtol=2e-2,
       atol=2e-2)
-  assert _reduced_in_loop(text)[0]
+  seeded = loss_dtype is None
+  assert _reduced_in_loop(text) == (seeded, not seeded)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(equal_weights=True),
+    dict(loss_reduction="sum", num_tokens_fn=lambda b: jnp.float32(8.0)),
+])
+def test_counts_the_same_on_every_device(kwargs):
+  """A weight that does not vary by device seeds a loss that does."""
+  params, batch = _params(), _batch()
+
+  def step(scan):
+    grad_fn = oa.value_and_grad(_loss(scan), num_microbatches=K,
+                                axis_name="data", overlap_reduction=True,
+                                **kwargs)
+    mesh = _mesh()
+    fn = jax.jit(jax.shard_map(grad_fn, mesh=mesh,
+                               in_specs=(P(), P("data")), out_specs=P()))
+    with jax.set_mesh(mesh):
+      b = jax.device_put(batch, NamedSharding(mesh, P("data")))
+      return fn(params, b), fn.lower(params, b).compile().as_text()
+
+  got, text = step(oa.scan_layers)
+  helpers.assert_trees_close(got, step(lax.scan)[0], rtol=1e-5, atol=1e-6)
+  assert _reduced_in_loop(text) == (True, False)
+
+
+def test_the_typed_form_runs_lax_scan():
+  """Explicit data axes under jax.jit: exact, the stack reduced after."""
+  params, batch = _params(), _batch()
+  mesh = _mesh()
+  fn = jax.jit(oa.value_and_grad(_loss(oa.scan_layers), num_microbatches=K,
+                                 num_tokens_fn=_count,
+                                 overlap_reduction=True))
+  with jax.set_mesh(mesh):
+    b = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    got, text = fn(p, b), fn.lower(p, b).compile().as_text()
+  helpers.assert_trees_close(got, _full(params, batch), rtol=1e-5, atol=1e-6)
+  assert _reduced_in_loop(text) == (False, True)
 
 
 def test_closed_over_weights_ys_and_reverse():
@@ -184,7 +232,7 @@ def test_closed_over_weights_ys_and_reverse():
 
   def loss(scan):
     def fn(params, batch):
-      h = params["embed"][batch["ids"]]
+      h = _embed(params["embed"], batch["ids"])
 
       def layer(c, w):
         c = jnp.tanh(c @ w + c @ params["shared"])
@@ -222,7 +270,7 @@ def test_outside_value_and_grad_it_is_lax_scan():
 
 def test_an_integer_carry_falls_back_to_lax_scan():
   def loss(params, batch):
-    h = params["embed"][batch["ids"]]
+    h = _embed(params["embed"], batch["ids"])
 
     def layer(carry, w):
       c, n = carry
