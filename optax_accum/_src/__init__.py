@@ -170,8 +170,10 @@ names are the folder's inside. ``hlo`` (``count_collectives``;
 ``async_chains`` reads XLA TPU's asynchronous collective fusions),
 ``self_check`` (``check_train_step``: judges what ``step_reading`` reads,
 the micro-batch loop's trip count and where the gradient is reduced),
-``overlap`` (``reduction_overlap``, with ``matmul_flops``' count of the
-matrix multiplies), ``memory_analysis`` (a compiled program's memory).
+``overlap`` (``reduction_overlap``: ``reduction_spans`` reads where each
+reduction starts and is done, ``model_loops`` those inside a model's own
+loops, ``matmul_flops`` counts the matrix multiplies),
+``memory_analysis`` (a compiled program's memory).
 It imports nothing from ``microbatch/`` or ``accumulate/``: the named
 scopes it looks for come from ``names``.
 

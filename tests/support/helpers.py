@@ -44,6 +44,17 @@ ROOT = SUPPORT.parents[1]  # the repository root.
 # Toy models.
 
 
+def stacked_layers_loss(scan):
+  """A summed squared error of a token embedding, layers ``tanh(h @ W_l)``
+  stacked in ``params["layers"]`` and run by ``scan`` (``lax.scan`` or
+  ``oa.scan_layers``), and an unembedding; ``batch``: ``ids`` and ``y``."""
+  def loss(params, batch):
+    h = params["embed"][batch["ids"]]
+    h, _ = scan(lambda c, w: (jnp.tanh(c @ w), None), h, params["layers"])
+    return (((h @ params["unembed"]) - batch["y"]) ** 2).sum()
+  return loss
+
+
 def padded_batch(rng: np.random.Generator, lengths, seq: int, dim: int):
   """A batch with ``lengths[i]`` tokens in row ``i``, as float32 numpy arrays.
 

@@ -2,9 +2,10 @@
 
 ``oa.count_collectives`` (``hlo``), ``oa.check_train_step`` (``self_check``
 on ``step_reading``), ``oa.reduction_overlap`` (``overlap`` on
-``matmul_flops``) and the memory the planner weighs (``memory_analysis``),
-all on one parser, ``hlo_text``, whose public names are this folder's
-inside: no module here uses another's private names.
+``reduction_spans``, ``model_loops`` and ``matmul_flops``) and the memory
+the planner weighs (``memory_analysis``), all on one parser, ``hlo_text``,
+whose public names are this folder's inside: no module here uses
+another's private names.
 
 What this folder guarantees: it reads compiled programs and runs nothing
 of the library; it imports nothing from ``microbatch/`` or ``accumulate/``.
