@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from optax_accum._src import names
 from optax_accum._src import validation
 from optax_accum._src.mesh import axes
-from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import batching
 from optax_accum._src.microbatch import borrowing
 from optax_accum._src.microbatch import empty_safe
@@ -241,20 +240,18 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
                          lay.for_microbatch(params, index),
                          model_state, batch_split, index,
                          {i: running[i] for i in reducible})
-      if d.totals:  # those sums are whole: the loop adds the rest alone.
-        in_loop.update(d.totals)
-        sums = sums._replace(grads=jax.tree.unflatten(
-            jax.tree.structure(sums.grads),
-            [_zeros_like_sum(s, lay) if i in d.totals else s
-             for i, s in enumerate(running)]))
       value, (new_state, aux), grads, c = d.value, d.rest, d.grads, d.c
       model_state = axes.varying_like(new_state, model_state)
       running, stacked = sums.aux, aux
       if plan is not None:
         running, stacked = aux_reduction_lib.update(
             running, jax.tree.leaves(aux), plan.reductions, c.tokens)
+      new_grads = lay.add_grads(sums.grads, grads, d.added, rules)
+      if d.totals:  # those sums are whole: the loop adds the rest alone.
+        in_loop.update(d.totals)
+        new_grads = _rest_of_reduced(new_grads, grads, d, lay)
       sums = Sums(
-          grads=lay.add_grads(sums.grads, grads, d.added, rules),
+          grads=new_grads,
           loss=sums.loss + token_weighting.weighted(value, c, sums.loss.dtype),
           tokens=sums.tokens + c.tokens,
           aux=running,
@@ -301,10 +298,22 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
                        borrow is not None and last is not None, totals)
 
 
-def _zeros_like_sum(s, lay: layout.Layout):
-  """Zeros typed like the running sum ``s`` (unreduced, device-local)."""
-  return lay.device_local(jnp.zeros(jnp.shape(s), s.dtype,
-                                    out_sharding=readers.explicit_spec(s)))
+def _rest_of_reduced(new_grads, grads, d: _Differentiated,
+                     lay: layout.Layout):
+  """``new_grads`` with each leaf that :mod:`scanned_layers` reduced (its
+  running sum and the scan's gradient, ``d.totals``) replaced by the rest
+  of its gradient (another use of the leaf in the loss), kept where the
+  micro-batch counts: with a ``+0``, so that where that gradient is zero
+  XLA sees the sum is, and drops its reduction (``token_weighting.weighted``
+  writes ``-0``)."""
+  leaves, treedef = jax.tree.flatten(new_grads)
+  parts = treedef.flatten_up_to(grads)
+  for i in d.totals:
+    s = leaves[i]
+    rest = parts[i].astype(s.dtype).reshape(jnp.shape(s))
+    leaves[i] = lay.device_local(
+        jnp.where(d.added.keep, rest, jnp.zeros([], s.dtype)))
+  return treedef.unflatten(leaves)
 
 
 def _reducible_in_loop(opts: Options, lay: layout.Layout, rules,
