@@ -201,7 +201,10 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
       _is_float(x) for x in jax.tree.leaves((init, xs))):
     for p, leaf in enumerate(leaves):
       hit = table.by_id.get(id(leaf))
-      if hit is not None and hit[0] not in table.used:
+      # Each leaf's running sum is added once: a leaf given twice (or to a
+      # second scan) is reduced there, and its second use after the loop.
+      taken = {i for i, _ in found.values()}
+      if hit is not None and hit[0] not in table.used | taken:
         found[p] = hit
   if found and table.watch is not None:  # the loop's trace: noted only.
     table.watch.hits.update(i for i, _ in found.values())

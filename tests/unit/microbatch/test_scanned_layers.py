@@ -285,3 +285,26 @@ def test_an_integer_carry_falls_back_to_lax_scan():
   helpers.assert_trees_close((value, grads), _full(params, batch),
                                  rtol=1e-5, atol=1e-6)
   assert _reduced_in_loop(text) == (False, True)
+
+
+def test_a_stack_given_twice_is_summed_once():
+  """The same stacked leaf twice in ``xs`` (and a second scan over it): its
+  running sum is added once; the other uses' gradient is reduced after."""
+
+  def loss(scan):
+    def fn(params, batch):
+      h = _embed(params["embed"], batch["ids"])
+      w = params["layers"]
+      h, _ = scan(lambda c, ws: (jnp.tanh(c @ ws[0] + c @ ws[1]), None), h,
+                  (w, w))
+      h, _ = scan(lambda c, w: (jnp.tanh(c @ w), None), h, w)
+      err = ((h @ params["unembed"] - batch["y"]) ** 2).sum(-1)
+      return (err * batch["mask"]).sum() / batch["mask"].sum()
+    return fn
+
+  params, batch = _params(), _batch()
+  got, text = _step(loss(oa.scan_layers), overlap_reduction=True)(
+      params, batch)
+  want = jax.value_and_grad(loss(lax.scan))(params, batch)
+  helpers.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+  assert _reduced_in_loop(text) == (True, True)
