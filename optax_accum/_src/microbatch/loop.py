@@ -322,7 +322,8 @@ def _reducible_in_loop(opts: Options, lay: layout.Layout, rules,
   micro-batch: summed once over manual data axes, not sharded over them, by
   the "mean" rule, and not read per device (``with_stats``)."""
   ok = lay.reducible_in_loop()
-  if opts.with_stats or not any(ok):
+  if (opts.with_stats or not any(ok)
+      or not scanned_layers.REDUCES_IN_LOOP):
     return []
   n = len(jax.tree.leaves(params))
   rules = [grad_reduction_lib.MEAN] * n if rules is None else rules

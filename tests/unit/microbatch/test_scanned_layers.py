@@ -19,6 +19,10 @@ import pytest
 import helpers
 import optax_accum as oa
 from optax_accum._src.compiled import hlo_text
+from optax_accum._src.microbatch import scanned_layers
+
+# Older JAX (0.9) runs lax.scan there: its compiler kept a second reduction.
+ON = scanned_layers.REDUCES_IN_LOOP
 
 LAYERS, DIM, VOCAB, ROWS, K = 4, 16, 32, 64, 4
 
@@ -121,10 +125,11 @@ def test_exact_and_each_layer_reduced_in_the_backward_loop(form):
   want_loss, want = _full(params, batch)
   helpers.assert_trees_close((loss, grads), (want_loss, want),
                                  rtol=1e-5, atol=1e-6)
-  assert _reduced_in_loop(text) == (True, False)
+  assert _reduced_in_loop(text) == (ON, not ON)
   # One reduction per leaf: the stack's slices, the rest in one after it.
   entry = [shapes for at_entry, shapes in _reductions(text) if at_entry]
   assert len(entry) == 1 and ("f32", (VOCAB, DIM)) in entry[0]
+  assert ON or ("f32", (LAYERS, DIM, DIM)) in entry[0]
   # oa.check_train_step counts the layer loop's slices once per trip: every
   # leaf reduced once per update, no more.
   check = oa.check_train_step(text, num_microbatches=K, data_axes="data",
@@ -153,7 +158,7 @@ def test_a_second_use_of_the_stack_keeps_its_gradient():
   helpers.assert_trees_close(
       (loss, grads), _full(params, batch, penalty=0.1), rtol=1e-5, atol=1e-6)
   in_loop, whole = _reduced_in_loop(text)
-  assert in_loop and whole  # the penalty's part is reduced after the loop.
+  assert in_loop == ON and whole  # the penalty's part reduced after the loop.
 
 
 def test_an_empty_last_microbatch_adds_nothing():
@@ -183,7 +188,7 @@ def test_bf16_params_summed_in_float32_match_lax_scan(loss_dtype):
       jax.tree.map(lambda x: x.astype(jnp.float32), got),
       jax.tree.map(lambda x: x.astype(jnp.float32), want), rtol=2e-2,
       atol=2e-2)
-  seeded = loss_dtype is None
+  seeded = loss_dtype is None and ON
   assert _reduced_in_loop(text) == (seeded, not seeded)
 
 
@@ -208,7 +213,7 @@ def test_counts_the_same_on_every_device(kwargs):
 
   got, text = step(oa.scan_layers)
   helpers.assert_trees_close(got, step(lax.scan)[0], rtol=1e-5, atol=1e-6)
-  assert _reduced_in_loop(text) == (True, False)
+  assert _reduced_in_loop(text) == (ON, not ON)
 
 
 def test_the_typed_form_runs_lax_scan():
@@ -251,7 +256,7 @@ def test_closed_over_weights_ys_and_reverse():
       params, batch)
   want = jax.value_and_grad(loss(lax.scan))(params, batch)
   helpers.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
-  assert _reduced_in_loop(text) == (True, False)
+  assert _reduced_in_loop(text) == (ON, not ON)
 
 
 def test_outside_value_and_grad_it_is_lax_scan():
@@ -307,4 +312,4 @@ def test_a_stack_given_twice_is_summed_once():
       params, batch)
   want = jax.value_and_grad(loss(lax.scan))(params, batch)
   helpers.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
-  assert _reduced_in_loop(text) == (True, True)
+  assert _reduced_in_loop(text) == (ON, True)
