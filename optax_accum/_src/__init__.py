@@ -67,7 +67,7 @@ The call reads as stages in order, data passing downward:
 .. code-block:: text
 
   value_and_grad.py     checks the arguments once; builds a layout.Program
-   |  coupled.py        (loop.program; coupled's two passes) and
+   |  coupled.py        (loop_program.program; coupled's two passes) and
    |                    runner.Settings
   runner.py             run(): the form, once (forms.detect_form: single,
    |                    manual, auto or typed, by the type of the data
@@ -95,13 +95,15 @@ The call reads as stages in order, data passing downward:
    |                                           kept one's data, zero seed
    |                        empty_safe.py      elsewhere, its derivative a
    |                                           cond: no NaN under jax.grad
-   |                        scanned_layers.py  the last micro-batch's
-   |                                           layer scan (oa.scan_layers)
-   |                                           reducing each layer's sum
+   |                        layer_sums.py      the running sums handed
+   |                                           to the last micro-batch's
+   |                                           layer scan (scanned_layers:
+   |                                           oa.scan_layers)
    |                        loss_signature.py  how loss_fn is called
    |                        rng.py             a key per micro-batch
    |  reduce            layout.reduce(partials), the one reduction
    |  finalize          Program.finalize -> layout.Result
+   |                      loop_program.py    the loop's sums as results
   value_and_grad.py     packs the Result like jax.value_and_grad
 
 The loop and gradient caching call only the layout's methods (the

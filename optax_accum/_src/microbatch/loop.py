@@ -1,10 +1,7 @@
 """The scan over micro-batches: running sums of the loop's micro-batches.
 
-:func:`program` gives the runner (:mod:`runner`) this module's stages: *local*
-runs :func:`loop` on the loop's batch (one device's, or the global one) and
-hands its sums over as :class:`layout.Partials`; *finalize* turns the
-reduced sums into the means (:func:`finish_loop`), or casts the means
-already divided before the reduction (:func:`divides_first`). The sums
+:func:`loop` runs on the loop's batch (one device's, or the global one);
+:mod:`loop_program` makes it the runner's stages and its sums results. The sums
 follow the token-weighting rule of ``token_weighting``; aux is stacked or
 reduced in the carry (``aux_reduction``); the noise-scale sums ride along
 with ``with_stats``. Where parameters are held and gradients summed is the
@@ -12,8 +9,8 @@ call's :class:`layout.Layout`'s business: the loop only calls it. Where
 :mod:`borrowing` applies, each gradient leaves the backward pass weighted.
 How many trips the loop runs (all k, the first ``num_real_microbatches``,
 or borrowing's), and whether the last runs after it so that the one
-reduction can overlap its backward pass (SPEC 13), is :mod:`trip_count`'s
-business.
+reduction can overlap its backward pass, is :mod:`trip_count`'s business;
+a model's scanned layers reduced in that last one, :mod:`scanned_layers`'.
 """
 
 from collections.abc import Callable
@@ -28,10 +25,10 @@ from optax_accum._src.mesh import axes
 from optax_accum._src.microbatch import batching
 from optax_accum._src.microbatch import borrowing
 from optax_accum._src.microbatch import empty_safe
+from optax_accum._src.microbatch import layer_sums
 from optax_accum._src.microbatch import layout
 from optax_accum._src.microbatch import loss_signature
 from optax_accum._src.microbatch import rng as rng_lib
-from optax_accum._src.microbatch import scanned_layers
 from optax_accum._src.microbatch import trip_count
 from optax_accum._src.rules import aux_reduction as aux_reduction_lib
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
@@ -169,7 +166,7 @@ def _differentiate(loss, opts, borrow, inputs, lay, params, model_state,
 
   if runs:
     c = contribution()
-    d = scanned_layers.differentiate(lambda p: loss(p, *args), params, runs,
+    d = layer_sums.differentiate(lambda p: loss(p, *args), params, runs,
                                      c, lay.sum_in_loop)
     return _Differentiated(d.value, d.rest, d.grads, c, d.added, microbatch,
                            d.totals)
@@ -227,16 +224,15 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
 
   peeled = trip_count.peeled(opts.overlap_reduction, opts.num_microbatches,
                              lay.reduces_only_after_loop())
-  in_loop = {}  # leaf index -> its sum reduced in the last micro-batch.
-  watch = scanned_layers.Watch()
-  reducible = _reducible_in_loop(opts, lay, rules, params) if peeled else []
+  layers = layer_sums.LoopLayers(loss, layer_sums.reducible_leaves(
+      opts.with_stats, lay, rules, len(jax.tree.leaves(params)))
+      if peeled else [])
 
   def step_over(params, batch_split, reducible=()):
     def step(carry, index):
       sums, model_state = carry
       running = jax.tree.leaves(sums.grads)
-      d = _differentiate(loss if reducible else loss_in_loop, opts, borrow,
-                         inputs, lay,
+      d = _differentiate(layers.loss_for(reducible), opts, borrow, inputs, lay,
                          lay.for_microbatch(params, index),
                          model_state, batch_split, index,
                          {i: running[i] for i in reducible})
@@ -246,12 +242,9 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
       if plan is not None:
         running, stacked = aux_reduction_lib.update(
             running, jax.tree.leaves(aux), plan.reductions, c.tokens)
-      new_grads = lay.add_grads(sums.grads, grads, d.added, rules)
-      if d.totals:  # those sums are whole: the loop adds the rest alone.
-        in_loop.update(d.totals)
-        new_grads = _rest_of_reduced(new_grads, grads, d, lay)
       sums = Sums(
-          grads=new_grads,
+          grads=layers.added(lay.add_grads(sums.grads, grads, d.added, rules),
+                             grads, d.totals, d.added.keep, lay),
           loss=sums.loss + token_weighting.weighted(value, c, sums.loss.dtype),
           tokens=sums.tokens + c.tokens,
           aux=running,
@@ -272,16 +265,9 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
     _, held, leaves = jax.lax.optimization_barrier(
         (carry[0].tokens, params, batch_split.leaves))
     return step_over(held, batch_split._replace(leaves=leaves),
-                     sorted(watch.hits) if watch.seeds else ())
+                     layers.for_last())
 
-  # The loop's trace notes which leaves the model's scanned layers take, so
-  # that only a model that runs them by scan_layers has its last
-  # micro-batch differentiated by scanned_layers.
-  loss_in_loop = (scanned_layers.watching(loss, watch, reducible)
-                  if reducible else loss)
-
-  step = step_over(params, batch_split)
-  last = last_step if peeled else None
+  step, last = step_over(params, batch_split), last_step if peeled else None
   with jax.named_scope(names.LOOP_SCOPE):
     if borrow is None:
       (sums, model_state), (values, stacked) = trip_count.run_microbatches(
@@ -291,157 +277,6 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
           step, init, borrow.runs, opts.num_microbatches,
           inputs.num_real, last)
   sums = sums._replace(grads=lay.after_loop(sums.grads, rules))
-  totals = None
-  if in_loop:
-    totals = [in_loop.get(i) for i in range(len(jax.tree.leaves(params)))]
   return sums, LoopOut(model_state, values.dtype, stacked, plan, rules,
-                       borrow is not None and last is not None, totals)
-
-
-def _rest_of_reduced(new_grads, grads, d: _Differentiated,
-                     lay: layout.Layout):
-  """``new_grads`` with each leaf that :mod:`scanned_layers` reduced (its
-  running sum and the scan's gradient, ``d.totals``) replaced by the rest
-  of its gradient (another use of the leaf in the loss), kept where the
-  micro-batch counts: with a ``+0``, so that where that gradient is zero
-  XLA sees the sum is, and drops its reduction (``token_weighting.weighted``
-  writes ``-0``)."""
-  leaves, treedef = jax.tree.flatten(new_grads)
-  parts = treedef.flatten_up_to(grads)
-  for i in d.totals:
-    s = leaves[i]
-    rest = parts[i].astype(s.dtype).reshape(jnp.shape(s))
-    leaves[i] = lay.device_local(
-        jnp.where(d.added.keep, rest, jnp.zeros([], s.dtype)))
-  return treedef.unflatten(leaves)
-
-
-def _reducible_in_loop(opts: Options, lay: layout.Layout, rules,
-                       params) -> list[int]:
-  """The leaves whose layers :mod:`scanned_layers` may reduce in the last
-  micro-batch: summed once over manual data axes, not sharded over them, by
-  the "mean" rule, and not read per device (``with_stats``)."""
-  ok = lay.reducible_in_loop()
-  if (opts.with_stats or not any(ok)
-      or not scanned_layers.REDUCES_IN_LOOP):
-    return []
-  n = len(jax.tree.leaves(params))
-  rules = [grad_reduction_lib.MEAN] * n if rules is None else rules
-  return [i for i in range(n)
-          if ok[i] and rules[i] == grad_reduction_lib.MEAN]
-
-
-def finish_loop(sums: Sums, out: LoopOut, params,
-           lay: layout.Layout, divided: bool = False) -> layout.Result:
-  """The loss, gradient, aux and stats from the (device-reduced) sums.
-
-  ``lay.sq_norms`` gives the squared norm of each stats group of a reduced
-  gradient (summed over its shards, if sharded). ``divided``: the "mean"
-  leaves of ``sums.grads`` are means already (:func:`divides_first`).
-  """
-  if out.nan_without_tokens:  # after the reduction: it may start earlier.
-    sums = sums._replace(
-        grads=token_weighting.zeros_without_tokens(sums.grads, sums.tokens),
-        loss=token_weighting.zeros_without_tokens(sums.loss, sums.tokens),
-        aux=None if sums.aux is None else sums.aux._replace(
-            sums=token_weighting.zeros_without_tokens(sums.aux.sums,
-                                                      sums.tokens)))
-  grads = grad_reduction_lib.mean_by_rule(sums.grads, sums.tokens, params,
-                                    out.grad_rules, divided)
-  stats = None
-  if sums.stats is not None:
-    # The norm of the mean in the accumulator's precision, not the params'.
-    exact = grad_reduction_lib.only_means(sums.grads if divided else (
-        token_weighting.mean(sums.grads, sums.tokens, sums.grads)),
-        out.grad_rules)
-    stats = noise_scale.estimate_from_groups(
-        sums.stats, lay.sq_norms(exact), sums.tokens)
-  loss = token_weighting.mean(
-      sums.loss, sums.tokens, jnp.zeros([], out.loss_dtype))
-  if out.plan is None:
-    aux = aux_reduction_lib.Parts(out.stacked, None)
-  else:
-    aux = aux_reduction_lib.finish_aux(
-        sums.aux, out.stacked, out.plan.reductions, out.plan.shapes,
-        sums.tokens, out.plan.treedef)
-  return layout.Result(loss, grads, out.model_state, aux, stats)
-
-
-def _partials(sums: Sums, out: LoopOut) -> layout.Partials:
-  """The loop's sums, by how each is reduced over devices."""
-  running = sums.aux
-  maxima, minima = [], []
-  if running is not None:
-    maxima, minima = aux_reduction_lib.split_extrema(
-        running, out.plan.reductions)
-  return layout.Partials(
-      grads=sums.grads,
-      sums=(sums.loss, sums.tokens,
-            None if running is None else running.sums, sums.stats),
-      maxima=maxima, minima=minima, means=out.model_state, rest=out,
-      in_loop=out.in_loop)
-
-
-def divides_first(opts: Options, lay: layout.Layout) -> bool:
-  """Whether each device's partial sum of a "mean" leaf is divided by the
-  token count before the one reduction over devices, not after it.
-
-  Where the loop sees the global batch (``lay.device_axis`` is None), its
-  token count is the global one before the reduction: the division may come
-  first, and XLA then reduces each leaf's mean in place. Divided after the
-  reduction, XLA's GPU compiler held reduced sums beside their means, above
-  the peak of a hand-written scan on a data-only mesh
-  (benchmarks/results/divide_first.md). Not where the last micro-batch runs
-  after the loop (:func:`trip_count.peeled`): there it raised the peak.
-  """
-  return lay.device_axis is None and not trip_count.peeled(
-      opts.overlap_reduction, opts.num_microbatches,
-      lay.reduces_only_after_loop())
-
-
-def _divided(sums: Sums, out: LoopOut) -> Sums:
-  """The sums with each "mean" leaf divided by the token count, in the
-  accumulator's dtype (:func:`divides_first`)."""
-  return sums._replace(grads=grad_reduction_lib.divide_means(
-      sums.grads, sums.tokens, out.grad_rules))
-
-
-def _finalize(partials: layout.Partials, params,
-              lay: layout.Layout, divided: bool = False) -> layout.Result:
-  """:func:`finish_loop` on the (reduced) :class:`layout.Partials`."""
-  loss, tokens, aux_sums, stats = partials.sums
-  out = partials.rest._replace(model_state=partials.means)
-  running = None
-  if out.plan is not None:
-    running = aux_reduction_lib.join_extrema(
-        aux_sums, out.plan.reductions, partials.maxima, partials.minima)
-  sums = Sums(partials.grads, loss, tokens, running, stats)
-  return finish_loop(sums, out, params, lay, divided)
-
-
-def _shards_ok(opts: Options, params) -> list[bool]:
-  """Leaves whose shard the loop may differentiate: not with ``with_stats``
-  (it reads each device's partial gradient), and only where the sum's dtype
-  is the leaf's (JAX reduce-scatters a shard's gradient in its dtype)."""
-  if opts.with_stats:
-    return [False] * len(jax.tree.leaves(params))
-  dtypes = validation.per_leaf_dtypes(opts.accumulator_dtype, params)
-  return [jnp.dtype(d) == jnp.result_type(p) for p, d in
-          zip(jax.tree.leaves(params), jax.tree.leaves(dtypes))]
-
-
-def program(loss, opts: Options) -> layout.Program:
-  """The runner's :class:`layout.Program` of one ``value_and_grad``."""
-
-  def local(params, inputs, lay):
-    sums, out = loop(loss, opts, params, inputs, lay)
-    if divides_first(opts, lay):
-      sums = _divided(sums, out)
-    return _partials(sums, out)
-
-  def finalize(partials, params, lay):
-    return _finalize(partials, params, lay, divides_first(opts, lay))
-
-  return layout.Program(local=local, finalize=finalize, aux_axis=1,
-                        new_aux_axis=False,
-                        shards_ok=lambda params: _shards_ok(opts, params))
+                       borrow is not None and last is not None,
+                       layers.per_leaf(len(jax.tree.leaves(params))))

@@ -26,8 +26,6 @@ is unchanged.
 """
 
 from collections.abc import Callable
-import contextlib
-import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -38,122 +36,7 @@ import numpy as np
 
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import readers
-from optax_accum._src.rules import token_weighting
-
-_SEEDS = (jnp.float32, jnp.float64)
-# Whether this JAX's compiler drops the reduction of a zero gradient (of a
-# leaf used only by the scan that reduced it): with jax 0.9.1 it kept it,
-# and the stack was reduced twice (measured on 8 CPU devices); there the
-# last micro-batch runs lax.scan.
-REDUCES_IN_LOOP = jax.__version_info__ >= (0, 10)
-_ACTIVE = threading.local()
-
-
-class Watch:
-  """What the micro-batch loop's trace of ``loss_fn`` showed: the parameter
-  leaves it handed to :func:`scan_layers`, and whether its loss's dtype
-  holds a seed (float32, float64: :func:`differentiate`)."""
-
-  def __init__(self):
-    self.hits: set[int] = set()  # leaf indices.
-    self.seeds = True
-
-
-class _Table:
-  """The reducible leaves of one differentiation of the last micro-batch;
-  or, with ``watch``, those of the loop's, only noted."""
-
-  def __init__(self, runs: dict[int, jax.Array], watch: Watch | None = None):
-    self.runs = runs  # leaf index -> this device's running sum.
-    self.watch = watch
-    self.by_id: dict[int, tuple[int, Any]] = {}  # id(leaf) -> (index, probe).
-    self.combine: Callable[[jax.Array, jax.Array], jax.Array] | None = None
-    self.used: set[int] = set()  # leaf indices a scan reduced.
-
-
-@contextlib.contextmanager
-def _active(table: _Table):
-  stack = getattr(_ACTIVE, "stack", [])
-  _ACTIVE.stack = stack + [table]
-  try:
-    yield
-  finally:
-    _ACTIVE.stack = stack
-
-
-def _current() -> _Table | None:
-  stack = getattr(_ACTIVE, "stack", [])
-  return stack[-1] if stack else None
-
-
-def _is_float(x: Any) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-class Differentiated(NamedTuple):
-  """The last micro-batch differentiated by :func:`differentiate`."""
-
-  value: jax.Array
-  rest: Any  # loss_fn's (model state, aux).
-  grads: Any  # the parameters' gradient, weighted as ``added`` says.
-  added: token_weighting.Contribution  # to add ``grads`` with.
-  totals: dict[int, jax.Array]  # leaf index -> its sum over micro-batches
-  # and devices, reduced in the scan's backward loop (invariant).
-
-
-def watching(loss: Callable[..., Any], watch: Watch,
-             leaves: list[int]) -> Callable[..., Any]:
-  """``loss(params, *args)``, noting in ``watch`` which of the parameter
-  leaves ``leaves`` (flattened indices) it hands to :func:`scan_layers`,
-  and its value's dtype."""
-
-  def watched(params, *args):
-    table = _Table({}, watch)
-    seen = jax.tree.leaves(params)
-    table.by_id = {id(seen[i]): (i, None) for i in leaves}
-    with _active(table):
-      out = loss(params, *args)
-    watch.seeds = watch.seeds and jnp.result_type(out[0]) in _SEEDS
-    return out
-
-  return watched
-
-
-def differentiate(loss: Callable[[Any], Any], params: Any,
-                  runs: dict[int, jax.Array],
-                  c: token_weighting.Contribution,
-                  reduce: Callable[..., jax.Array]) -> Differentiated:
-  """``loss(params)`` (a value and its aux) differentiated, its scanned
-  layers reduced.
-
-  ``runs`` maps the index of each reducible parameter leaf (flattened) to
-  this device's running sum of the earlier micro-batches; ``reduce(running,
-  g, c)`` adds a gradient as ``c`` says and sums it over the data axes
-  (``layout.Layout.sum_in_loop``). The loss (float32 or float64:
-  :class:`Watch`) is differentiated with the seed ``c``'s weight: the
-  gradient leaves the backward weighted, so that a leaf used only by the
-  scan has a gradient XLA sees is zero, and drops its reduction (a zero
-  multiplied by the weight after it would be reduced all the same).
-  """
-  table = _Table(runs)
-  probes = {i: jnp.zeros(jnp.shape(r), jnp.result_type(r),
-                        out_sharding=_plain(r))
-            for i, r in runs.items()}
-
-  def with_table(p, probes):
-    seen = jax.tree.leaves(p)
-    table.by_id = {id(seen[i]): (i, probes[i]) for i in runs}
-    with _active(table):
-      return loss(p)
-
-  value, vjp_fn, rest = jax.vjp(with_table, params, probes, has_aux=True)
-  seed = jnp.where(c.keep, c.weight, jnp.zeros([], c.weight.dtype))
-  seed = axes.varying_like(seed.astype(jnp.result_type(value)), value)
-  added = c._replace(weight=jnp.ones([], c.weight.dtype))
-  table.combine = lambda run, g: reduce(run, g, added)
-  grads, totals = vjp_fn(seed)
-  return Differentiated(value, rest, grads, added,
-                        {i: totals[i] for i in sorted(table.used)})
+from optax_accum._src.microbatch import layer_sums
 
 
 def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
@@ -199,11 +82,11 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
     >>> h.shape
     (1, 2)
   """
-  table = _current()
+  table = layer_sums.current()
   leaves = jax.tree.leaves(xs)
   found = {}
   if table is not None and all(
-      _is_float(x) for x in jax.tree.leaves((init, xs))):
+      layer_sums.is_float(x) for x in jax.tree.leaves((init, xs))):
     for p, leaf in enumerate(leaves):
       hit = table.by_id.get(id(leaf))
       # Each leaf's running sum is added once: a leaf given twice (or to a
@@ -234,15 +117,6 @@ def _source(r: Any, x: list[Any], consts: list[Any]) -> tuple[str, int]:
   return "s", -1
 
 
-def _plain(x: Any) -> P | None:
-  """``x``'s type's spec without its reduced and unreduced axes; None
-  where its type names no mesh axes (manual ones: inside shard_map)."""
-  spec = readers.full_spec(x)
-  if not readers.spec_names(spec) and not getattr(spec, "unreduced", None):
-    return None
-  return P(*readers.partitions(spec))
-
-
 def _zero_cotangent(x: Any) -> Any:
   """Zeros typed as the cotangent of ``x``: unreduced where ``x`` is typed
   reduced, varying where it varies."""
@@ -262,7 +136,7 @@ class _Plan(NamedTuple):
 
   layer: Callable[..., Any]  # layer(carry, x_leaves, consts) -> (carry, y).
   positions: list[int]  # the reduced leaves' positions in xs's leaves.
-  table: _Table
+  table: layer_sums.Table
   init: Any  # the initial carry (its cotangent's type).
   opts: dict[str, Any]  # length, reverse, unroll.
 
@@ -326,8 +200,8 @@ def _backward(plan: _Plan, saved: _Saved, res, cts):
   stacked, x_leaves, consts, runs = res
   g_carry, g_ys = cts
   y_leaves, y_def = jax.tree.flatten(saved.out)
-  y_float = [_is_float(y) for y in y_leaves]
-  k_float = [_is_float(k) for k in consts]
+  y_float = [layer_sums.is_float(y) for y in y_leaves]
+  k_float = [layer_sums.is_float(k) for k in consts]
   reduced = set(plan.positions)
 
   def body(carry, sl):

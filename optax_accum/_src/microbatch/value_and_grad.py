@@ -10,6 +10,7 @@ from optax_accum._src import validation
 from optax_accum._src.microbatch import batching
 from optax_accum._src.microbatch import fsdp
 from optax_accum._src.microbatch import loop as loop_lib
+from optax_accum._src.microbatch import loop_program
 from optax_accum._src.microbatch import loss_signature
 from optax_accum._src.microbatch import rng as rng_lib
 from optax_accum._src.microbatch import runner
@@ -180,7 +181,7 @@ def value_and_grad(
         " gradient_sync='deferred' does not compute: use one or the other."
     )
   loss = loss_signature.normalize(loss_fn, has_aux, has_state)
-  program = loop_lib.program(loss, opts)
+  program = loop_program.program(loss, opts)
 
   declared = loss_signature.keyword_names(loss_fn)
 

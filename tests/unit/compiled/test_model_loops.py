@@ -18,7 +18,7 @@ import pytest
 
 import helpers
 import optax_accum as oa
-from optax_accum._src.microbatch import scanned_layers
+from optax_accum._src.microbatch import layer_sums
 
 _SLICE_BYTES = 64 * 64 * 4  # one layer's slice, f32[64,64].
 _DOT_FLOPS = 2 * 8 * 64 * 64  # f32[8,64] x f32[64,64].
@@ -265,7 +265,7 @@ def test_a_cpu_step_of_scan_layers_counts_each_layer_once(scan):
   # to one leaf's all-reduce.
   gradient = 4 * sum(x.size for x in params.values())
   assert gradient <= report.total_bytes <= gradient + 8
-  if scan is lax.scan or not scanned_layers.REDUCES_IN_LOOP:
+  if scan is lax.scan or not layer_sums.REDUCES_IN_LOOP:
     assert report.loop_reductions == ()  # older JAX: lax.scan there too.
     return
   (inside,) = report.loop_reductions

@@ -19,10 +19,10 @@ import pytest
 import helpers
 import optax_accum as oa
 from optax_accum._src.compiled import hlo_text
-from optax_accum._src.microbatch import scanned_layers
+from optax_accum._src.microbatch import layer_sums
 
 # Older JAX (0.9) runs lax.scan there: its compiler kept a second reduction.
-ON = scanned_layers.REDUCES_IN_LOOP
+ON = layer_sums.REDUCES_IN_LOOP
 
 LAYERS, DIM, VOCAB, ROWS, K = 4, 16, 32, 64, 4
 
