@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import readers
+from optax_accum._src.microbatch import borrowing
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import token_weighting
 
@@ -189,7 +190,7 @@ def differentiate(loss: Callable[[Any], Any], params: Any,
       return loss(p)
 
   value, vjp_fn, rest = jax.vjp(with_table, params, probes, has_aux=True)
-  seed = jnp.where(c.keep, c.weight, jnp.zeros([], c.weight.dtype))
+  seed = borrowing.seed(c)  # the weight where the micro-batch counts.
   seed = axes.varying_like(seed.astype(jnp.result_type(value)), value)
   added = c._replace(weight=jnp.ones([], c.weight.dtype))
   table.combine = lambda run, g: reduce(run, g, added)
