@@ -108,18 +108,24 @@ def test_matches_the_full_batch(form, empty):
 def test_no_tokens_at_all_gives_zeros_not_nan(form):
   """The last micro-batch runs even where none has tokens (its sums NaN
   with a mean loss that divides by zero): the count of zero reads them as
-  zeros."""
+  zeros, the token-weighted aux's too."""
   params = helpers.mlp_params(DIM, 8, seed=0)
   batch = _batch(2, empty=range(K))
-  loss_fn = lambda p, b: helpers.raw_mean(helpers.mlp_token_losses(p, b), b)
-  kwargs = dict(num_tokens_fn=helpers.num_tokens)
+
+  def loss_fn(p, b):
+    value = helpers.raw_mean(helpers.mlp_token_losses(p, b), b)
+    return value, {"mean": value}
+
+  kwargs = dict(num_tokens_fn=helpers.num_tokens, has_aux=True,
+                aux_reduction="mean")
   if form == "typed":
-    loss, grads = _typed(_value_and_grad(loss_fn, **kwargs), params,
-                         batch)
+    (loss, aux), grads = _typed(_value_and_grad(loss_fn, **kwargs), params,
+                                batch)
   else:
-    loss, grads = _shard_map(_value_and_grad(loss_fn, axis_name="data",
-                                               **kwargs), params, batch)
+    (loss, aux), grads = _shard_map(_value_and_grad(
+        loss_fn, axis_name="data", **kwargs), params, batch)
   assert float(loss) == 0.0
+  assert float(aux["mean"]) == 0.0
   for g in jax.tree.leaves(grads):
     np.testing.assert_array_equal(g, np.zeros_like(g))
 

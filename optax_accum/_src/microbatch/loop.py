@@ -62,9 +62,6 @@ class LoopOut(NamedTuple):
   stacked: Any  # aux (or its stacked leaves), one entry per micro-batch.
   plan: AuxPlan | None  # None when aux is only stacked.
   grad_rules: list[str] | None = None  # grad_reduction per leaf.
-  # The last micro-batch ran after the loop though none had tokens: the
-  # sums may be NaN where the token count is zero (trip_count's borrowing).
-  nan_without_tokens: bool = False
   # Per gradient leaf, its sum already reduced over devices in the last
   # micro-batch's layer scan (:mod:`scanned_layers`), or None; None: none.
   in_loop: list[Any] | None = None
@@ -278,5 +275,4 @@ def loop(loss, opts: Options, params, inputs: loss_signature.Inputs,
           inputs.num_real, last)
   sums = sums._replace(grads=lay.after_loop(sums.grads, rules))
   return sums, LoopOut(model_state, values.dtype, stacked, plan, rules,
-                       borrow is not None and last is not None,
                        layers.per_leaf(len(jax.tree.leaves(params))))

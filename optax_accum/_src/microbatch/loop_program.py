@@ -21,22 +21,18 @@ from optax_accum._src.rules import token_weighting
 
 
 def finish_loop(sums: loop_lib.Sums, out: loop_lib.LoopOut, params,
-           lay: layout.Layout, divided: bool = False) -> layout.Result:
+                lay: layout.Layout, divided: bool = False) -> layout.Result:
   """The loss, gradient, aux and stats from the (device-reduced) sums.
 
   ``lay.sq_norms`` gives the squared norm of each stats group of a reduced
   gradient (summed over its shards, if sharded). ``divided``: the "mean"
   leaves of ``sums.grads`` are means already (:func:`divides_first`).
   """
-  if out.nan_without_tokens:  # after the reduction: it may start earlier.
-    sums = sums._replace(
-        grads=token_weighting.zeros_without_tokens(sums.grads, sums.tokens),
-        loss=token_weighting.zeros_without_tokens(sums.loss, sums.tokens),
-        aux=None if sums.aux is None else sums.aux._replace(
-            sums=token_weighting.zeros_without_tokens(sums.aux.sums,
-                                                      sums.tokens)))
+  # Zeros without tokens whatever the sums hold: the last micro-batch may
+  # run after the loop though none had tokens (trip_count.run_borrowing).
   grads = grad_reduction_lib.mean_by_rule(sums.grads, sums.tokens, params,
-                                    out.grad_rules, divided)
+                                          out.grad_rules, divided,
+                                          zeros_if_empty=True)
   stats = None
   if sums.stats is not None:
     # The norm of the mean in the accumulator's precision, not the params'.
@@ -46,7 +42,8 @@ def finish_loop(sums: loop_lib.Sums, out: loop_lib.LoopOut, params,
     stats = noise_scale.estimate_from_groups(
         sums.stats, lay.sq_norms(exact), sums.tokens)
   loss = token_weighting.mean(
-      sums.loss, sums.tokens, jnp.zeros([], out.loss_dtype))
+      sums.loss, sums.tokens, jnp.zeros([], out.loss_dtype),
+      zeros_if_empty=True)
   if out.plan is None:
     aux = aux_reduction_lib.Parts(out.stacked, None)
   else:

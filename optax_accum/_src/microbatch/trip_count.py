@@ -87,10 +87,10 @@ def run_borrowing(step, init, runs, num_microbatches, num_real,
 
   With ``last_step`` the last micro-batch runs after the loop
   (:func:`peel`), whatever ``runs`` says: where it says none, its sums may
-  be NaN, with a token count of zero (``token_weighting.zeros_without_tokens``
-  reads them, after the reduction: a select here, before it, had XLA's GPU
-  compiler fuse the leaves' selects into one and start no reduction before
-  the last).
+  be NaN, with a token count of zero (:func:`token_weighting.mean` makes the
+  mean of no tokens zero, after the reduction: a select here, before it,
+  had XLA's GPU compiler fuse the leaves' selects into one and start no
+  reduction before the last).
 
   It outputs nothing per micro-batch (borrowing applies only where nothing
   is stacked): the values' dtype and the (leafless) stacked aux are read

@@ -152,8 +152,9 @@ def finish_aux(running: Running, stacked: list[Any], reductions: list[str],
            shapes: list[Any], tokens: jax.Array, treedef: Any) -> Parts:
   """``aux`` from the running reductions (already over devices) and stacks.
 
-  A ``"mean"`` leaf is divided by the total token count ``tokens`` and comes
-  back in its leaf's floating dtype (float32 for an integer leaf); a
+  A ``"mean"`` leaf is divided by the total token count ``tokens`` (zeros
+  without tokens, whatever the sum holds) and comes back in its leaf's
+  floating dtype (float32 for an integer leaf); a
   ``"sum"`` leaf in its leaf's dtype (int32 for bool).
   """
   reduced = []
@@ -161,7 +162,8 @@ def finish_aux(running: Running, stacked: list[Any], reductions: list[str],
     if r == "mean":
       floating = jnp.issubdtype(shape.dtype, jnp.floating)
       dtype = shape.dtype if floating else jnp.float32
-      reduced.append(token_weighting.mean(s, tokens, jnp.zeros([], dtype)))
+      reduced.append(token_weighting.mean(s, tokens, jnp.zeros([], dtype),
+                                          zeros_if_empty=True))
     elif r == "sum":
       reduced.append(s.astype(_sum_dtype(shape.dtype, r, shape.dtype)))
     else:

@@ -137,15 +137,18 @@ def divide_means(total: Any, token_count: jax.Array,
 
 
 def mean_by_rule(total: Any, token_count: jax.Array, like: Any,
-           rules: list[str] | None, divided: bool = False) -> Any:
+                 rules: list[str] | None, divided: bool = False, *,
+                 zeros_if_empty: bool = False) -> Any:
   """The reduced gradient, cast leaf by leaf like ``like``.
 
   "mean" leaves are divided by the token count (or, ``divided``, were
   already: :func:`divide_means`); "max" and "last" leaves are as they are,
-  or zeros without tokens.
+  or zeros without tokens; ``zeros_if_empty`` as for
+  :func:`token_weighting.mean`.
   """
   means = token_weighting.mean(  # divided: cast only (x / 1 is x).
-      total, jnp.ones_like(token_count) if divided else token_count, like)
+      total, jnp.ones_like(token_count) if divided else token_count, like,
+      zeros_if_empty=zeros_if_empty and not divided)
   if rules is None:
     return means
 

@@ -212,23 +212,32 @@ def zeros_without_tokens(total: Any, token_count: jax.Array) -> Any:
   return jax.tree.map(select, total)
 
 
-def mean(total: Any, token_count: jax.Array, like: Any) -> Any:
+def mean(total: Any, token_count: jax.Array, like: Any, *,
+         zeros_if_empty: bool = False) -> Any:
   """The running sum divided by the count, cast leaf by leaf like ``like``.
 
-  A count of zero gives zeros (no 0/0); a NaN count gives NaN. A sum typed
-  unreduced (each device's partial) is divided on each device: JAX has no
-  unreduced rule for division.
+  A count of zero gives zeros (no 0/0) where the sum is zero; with
+  ``zeros_if_empty`` whatever it holds (NaN from a micro-batch without
+  tokens run all the same: the micro-batch loop runs its last micro-batch
+  after the loop even where none has tokens). A NaN count gives NaN. A sum
+  typed unreduced (each device's partial) is divided on each device: JAX
+  has no unreduced rule for division.
   """
   safe_count = jnp.where(token_count == 0, jnp.ones_like(token_count),
                          token_count)
 
+  counts = (safe_count, token_count) if zeros_if_empty else (safe_count,)
+
   def divide(s, x):
-    def local(s, count):
-      return (s / count.astype(s.dtype)).astype(jnp.result_type(x))
+    def local(s, safe, count=None):
+      quotient = s / safe.astype(s.dtype)
+      if count is not None:  # the zero is the count's (zeros_without_tokens).
+        quotient = jnp.where(count == 0, jnp.abs(count).astype(s.dtype),
+                             quotient)
+      return quotient.astype(jnp.result_type(x))
 
     if not readers.unreduced_axes(s):
-      return local(s, safe_count)
-    return manual.on_own_partials(
-        local, (s, safe_count), readers.full_spec(s))
+      return local(s, *counts)
+    return manual.on_own_partials(local, (s, *counts), readers.full_spec(s))
 
   return jax.tree.map(divide, total, like)

@@ -129,7 +129,7 @@ def test_peeled_with_n_runs_the_nth_after_the_loop(n):
 def test_peeled_borrowing_runs_the_last_trip_whatever_runs_says(n):
   """Where no micro-batch has tokens the last trip runs all the same, after
   the loop: its sums (NaN, perhaps) are read as zeros after the reduction
-  (token_weighting.zeros_without_tokens), not selected here, before it."""
+  (token_weighting.mean), not selected here, before it."""
   nan_step = lambda carry, index: (
       carry + jnp.where(index == K - 1, jnp.nan, index + 1.0),
       (index.astype(jnp.bfloat16), ()))
