@@ -37,7 +37,7 @@ from optax_accum._src.rules import token_weighting
 _WIDE = (jnp.float32, jnp.float64, jnp.bfloat16)
 # Loss dtypes that hold the weight itself exactly enough to seed with it
 # (bfloat16 rounds a count of 1234 to 1232).
-_SEEDS = (jnp.float32, jnp.float64)
+SEEDS = (jnp.float32, jnp.float64)
 
 
 class Plan(NamedTuple):
@@ -113,7 +113,7 @@ def weighted_grads(vjp_fn: Any, value: jax.Array,
   """
   s = seed(c)
   ones = jnp.ones([], c.weight.dtype)
-  if jnp.result_type(value) in _SEEDS:
+  if jnp.result_type(value) in SEEDS:
     (grads,) = vjp_fn(s.astype(jnp.result_type(value)))
     return grads, c._replace(weight=ones, keep=True)
   (grads,) = vjp_fn(jnp.ones_like(value))

@@ -26,7 +26,6 @@ from optax_accum._src.microbatch import borrowing
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import token_weighting
 
-_SEEDS = (jnp.float32, jnp.float64)
 # Whether this JAX's compiler drops the reduction of a zero gradient (of a
 # leaf used only by the scan that reduced it): with jax 0.9.1 it kept it,
 # and the stack was reduced twice (measured on 8 CPU devices); there the
@@ -156,7 +155,7 @@ def watching(loss: Callable[..., Any], watch: Watch,
     table.by_id = {id(seen[i]): (i, None) for i in leaves}
     with active(table):
       out = loss(params, *args)
-    watch.seeds = watch.seeds and jnp.result_type(out[0]) in _SEEDS
+    watch.seeds = watch.seeds and jnp.result_type(out[0]) in borrowing.SEEDS
     return out
 
   return watched

@@ -7,6 +7,8 @@ reduction of it follows. The negative control is the same model through
 ``lax.scan``: its stacked leaf is reduced after the loop, whole.
 """
 
+from flax import linen as nn
+from flax import nnx
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -115,6 +117,16 @@ def _reduced_in_loop(text):
 
 def _full(params, batch, **kwargs):
   return jax.value_and_grad(_loss(lax.scan, **kwargs))(params, batch)
+
+
+def _assert_exact_and_reduced_in_loop(loss, params, batch):
+  """``loss(scan)``'s step matches its full batch through ``lax.scan``, and
+  the stack's layers are reduced in the loop."""
+  got, text = _step(loss(oa.scan_layers), overlap_reduction=True)(
+      params, batch)
+  want = jax.value_and_grad(loss(lax.scan))(params, batch)
+  helpers.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+  assert _reduced_in_loop(text) == (ON, not ON)
 
 
 @pytest.mark.parametrize("form", ["shard_map", "auto"])
@@ -252,11 +264,7 @@ def test_closed_over_weights_ys_and_reverse():
 
   params = {**_params(), "shared": _params()["layers"][0] * 0.5}
   batch = _batch()
-  got, text = _step(loss(oa.scan_layers), overlap_reduction=True)(
-      params, batch)
-  want = jax.value_and_grad(loss(lax.scan))(params, batch)
-  helpers.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
-  assert _reduced_in_loop(text) == (ON, not ON)
+  _assert_exact_and_reduced_in_loop(loss, params, batch)
 
 
 def test_outside_value_and_grad_it_is_lax_scan():
@@ -313,3 +321,45 @@ def test_a_stack_given_twice_is_summed_once():
   want = jax.value_and_grad(loss(lax.scan))(params, batch)
   helpers.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
   assert _reduced_in_loop(text) == (ON, True)
+
+
+def _flax_loss(api):
+  """``_loss``'s model as a Flax module (NNX or linen) whose parameters the
+  train step splits out and merges back in ``loss_fn``: the stacked leaf
+  still reaches ``scan_layers`` as the array the loop differentiates."""
+  def forward(embed, layers, unembed, batch, scan):
+    h, _ = scan(lambda c, w: (jnp.tanh(c @ w), None), embed[batch["ids"]],
+                layers)
+    err = ((h @ unembed - batch["y"]) ** 2).sum(-1)
+    return (err * batch["mask"]).sum() / batch["mask"].sum()
+
+  if api == "nnx":
+    class Model(nnx.Module):
+      def __init__(self, params):
+        for name, value in params.items():
+          setattr(self, name, nnx.Param(value))
+
+      def __call__(self, batch, scan):
+        return forward(self.embed[...], self.layers[...], self.unembed[...],
+                       batch, scan)
+
+    graphdef, state = nnx.split(Model(_params()), nnx.Param)
+    return state, lambda scan: (
+        lambda s, batch: nnx.merge(graphdef, s)(batch, scan))
+
+  class Linen(nn.Module):
+    @nn.compact
+    def __call__(self, batch, scan):
+      got = {k: self.param(k, lambda _, v=v: v) for k, v in _params().items()}
+      return forward(got["embed"], got["layers"], got["unembed"], batch, scan)
+
+  params = Linen().init(jax.random.key(0), _batch(), lax.scan)["params"]
+  return params, lambda scan: (
+      lambda p, batch: Linen().apply({"params": p}, batch, scan))
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_a_flax_model_s_stack_is_reduced_in_the_loop(api):
+  params, loss = _flax_loss(api)
+  batch = _batch()
+  _assert_exact_and_reduced_in_loop(loss, params, batch)
