@@ -56,10 +56,15 @@ class Table:
     self.used: set[int] = set()  # leaf indices a scan reduced.
 
 
+def _trace() -> Any:
+  """The JAX trace the caller runs in, comparable by ``==``."""
+  return jax.core.get_opaque_trace_state(convention="optax_accum")
+
+
 @contextlib.contextmanager
 def active(table: Table):
   stack = getattr(_ACTIVE, "stack", [])
-  _ACTIVE.stack = stack + [table]
+  _ACTIVE.stack = stack + [(table, _trace())]
   try:
     yield
   finally:
@@ -67,8 +72,14 @@ def active(table: Table):
 
 
 def current() -> Table | None:
+  """The active table, where the caller runs in its trace: not inside a
+  transformation ``loss_fn`` applies itself (a ``jax.grad`` of a penalty,
+  ``jax.vmap``, ``jax.checkpoint``), whose backward is not the one the
+  table's sums reach; there :func:`scan_layers` is ``lax.scan``."""
   stack = getattr(_ACTIVE, "stack", [])
-  return stack[-1] if stack else None
+  if not stack or stack[-1][1] != _trace():
+    return None
+  return stack[-1][0]
 
 
 def is_float(x: Any) -> bool:

@@ -61,7 +61,10 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
   with ``with_stats``, FSDP, ``gradient_sync`` other than ``"once"`` or a
   ``grad_reduction`` rule other than ``"mean"``), and where every leaf of
   ``init`` and ``xs`` is floating. Other leaves and uses are differentiated
-  as ``lax.scan`` would.
+  as ``lax.scan`` would. Inside a transformation that ``loss_fn`` applies
+  itself (a ``jax.grad`` of a penalty, ``jax.vmap``, ``jax.checkpoint``
+  around the scan) it is ``lax.scan``; remat inside ``f`` keeps the
+  reduction in the loop.
 
   Args:
     f: the layer, ``f(carry, x) -> (carry, y)``, as for ``lax.scan``.

@@ -363,3 +363,55 @@ def test_a_flax_model_s_stack_is_reduced_in_the_loop(api):
   params, loss = _flax_loss(api)
   batch = _batch()
   _assert_exact_and_reduced_in_loop(loss, params, batch)
+
+
+def _wrapped_loss(how):
+  """``_loss``'s model under a transformation of the loss's own: a
+  ``jax.grad`` penalty through it first, ``jax.vmap`` over its rows,
+  ``jax.checkpoint`` around it, or around each layer."""
+
+  def loss(scan):
+    def fn(params, batch):
+      h0 = _embed(params["embed"], batch["ids"])
+      layer = lambda c, w: (jnp.tanh(c @ w), None)
+      if how == "remat_layer":
+        layer = jax.checkpoint(layer)
+      model = lambda h: scan(layer, h, params["layers"])[0]
+      per_row = 0.0
+      if how == "grad_penalty":
+        per_row = 0.1 * (jax.grad(lambda h: model(h).sum())(h0) ** 2).sum(-1)
+      if how == "vmap":
+        h = jax.vmap(model)(h0[:, None])[:, 0]
+      elif how == "checkpoint":
+        h = jax.checkpoint(model)(h0)
+      else:
+        h = model(h0)
+      per_row = per_row + ((h @ params["unembed"] - batch["y"]) ** 2).sum(-1)
+      return (per_row * batch["mask"]).sum() / batch["mask"].sum()
+    return fn
+
+  return loss
+
+
+@pytest.mark.parametrize("how, in_loop", [
+    ("grad_penalty", ON),  # the penalty's own scan is lax.scan's.
+    ("vmap", False),
+    ("checkpoint", False),
+    ("remat_layer", ON),
+])
+def test_inside_the_loss_s_own_transformations_it_is_lax_scan(how, in_loop):
+  """Inside a transformation ``loss_fn`` applies itself, the backward is
+  not the one the running sums reach: there it is ``lax.scan``, exactly
+  (before, a nested ``jax.grad`` crashed and ``jax.vmap`` lost the earlier
+  micro-batches' sum of the stack). The loss's own use of the stack is
+  still reduced in the loop; remat inside the layer keeps it too."""
+  params, batch = _params(), _batch()
+  loss = _wrapped_loss(how)
+  got, text = _step(loss(oa.scan_layers), overlap_reduction=True)(
+      params, batch)
+  want = jax.value_and_grad(loss(lax.scan))(params, batch)
+  helpers.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+  in_loop_seen, whole = _reduced_in_loop(text)
+  assert in_loop_seen == in_loop
+  # The penalty's stack gradient is reduced after the loop.
+  assert whole == (how == "grad_penalty" or not in_loop)
