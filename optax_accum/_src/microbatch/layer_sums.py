@@ -216,5 +216,3 @@ def _plain(x: Any) -> P | None:
   if not readers.spec_names(spec) and not getattr(spec, "unreduced", None):
     return None
   return P(*readers.partitions(spec))
-
-
