@@ -38,7 +38,7 @@ def value_and_grad(loss: Callable[..., Any], keep: jax.Array, params: Any,
   no NaN to the derivative of what the loop returns.
   """
   leaves, treedef = jax.tree.flatten(args)
-  arrays = [i for i, x in enumerate(leaves) if _is_array(x)]
+  arrays = [i for i, x in enumerate(leaves) if is_array(x)]
 
   def with_arrays(params, values):  # other leaves (a function) stay static.
     full = list(leaves)
@@ -51,7 +51,7 @@ def value_and_grad(loss: Callable[..., Any], keep: jax.Array, params: Any,
   return _value_and_grad(fn, keep, params, (values,), consts)
 
 
-def _is_array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray))
 
 

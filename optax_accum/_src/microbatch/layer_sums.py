@@ -13,6 +13,7 @@ The loop's own trace only notes which leaves a scan takes
 
 from collections.abc import Callable
 import contextlib
+import functools
 import threading
 from typing import Any, NamedTuple
 
@@ -23,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from optax_accum._src.mesh import axes
 from optax_accum._src.mesh import readers
 from optax_accum._src.microbatch import borrowing
+from optax_accum._src.microbatch import empty_safe
 from optax_accum._src.rules import grad_reduction as grad_reduction_lib
 from optax_accum._src.rules import token_weighting
 
@@ -172,12 +174,13 @@ def watching(loss: Callable[..., Any], watch: Watch,
   return watched
 
 
-def differentiate(loss: Callable[[Any], Any], params: Any,
-                  runs: dict[int, jax.Array],
+def differentiate(loss: Callable[..., Any], args: tuple[Any, ...],
+                  params: Any, runs: dict[int, jax.Array],
                   c: token_weighting.Contribution,
-                  reduce: Callable[..., jax.Array]) -> Differentiated:
-  """``loss(params)`` (a value and its aux) differentiated, its scanned
-  layers reduced.
+                  reduce: Callable[..., jax.Array],
+                  own_data: bool = False) -> Differentiated:
+  """``loss(params, *args)`` (a value and its aux) differentiated, its
+  scanned layers reduced.
 
   ``runs`` maps the index of each reducible parameter leaf (flattened) to
   this device's running sum of the earlier micro-batches; ``reduce(running,
@@ -187,7 +190,36 @@ def differentiate(loss: Callable[[Any], Any], params: Any,
   gradient leaves the backward weighted, so that a leaf used only by the
   scan has a gradient XLA sees is zero, and drops its reduction (a zero
   multiplied by the weight after it would be reduced all the same).
+
+  With ``own_data`` the micro-batch runs its own data, which may hold no
+  tokens (its loss 0/0, dropped by the loop's select): differentiated in
+  turn (a meta-gradient through the step), the result is what
+  :mod:`empty_safe` gives, the layers' scan then ``lax.scan``.
   """
+  added = c._replace(weight=jnp.ones([], c.weight.dtype))
+  if not own_data:
+    out = _reduced(loss, args, params, runs, c, reduce)
+  else:
+    leaves, treedef = jax.tree.flatten(args)
+    at = [i for i, x in enumerate(leaves) if empty_safe.is_array(x)]
+
+    def with_arrays(arrays):  # other leaves (a function) stay static.
+      full = list(leaves)
+      for i, x in zip(at, arrays):
+        full[i] = x
+      return treedef.unflatten(full)
+
+    out = _dropped_if_empty(
+        lambda p, a, r, c: _reduced(loss, with_arrays(a), p, r, c, reduce),
+        lambda keys, p, a, r, c: _safe(loss, with_arrays(a), p, r, c,
+                                       reduce, keys),
+        params, [leaves[i] for i in at], runs, c)
+  value, rest, grads, totals = out
+  return Differentiated(value, rest, grads, added, totals)
+
+
+def _reduced(loss, args, params, runs, c, reduce):
+  """``(value, rest, grads, totals)``: :func:`differentiate`'s program."""
   table = Table(runs)
   probes = {i: jnp.zeros(jnp.shape(r), jnp.result_type(r),
                         out_sharding=_plain(r))
@@ -197,7 +229,7 @@ def differentiate(loss: Callable[[Any], Any], params: Any,
     seen = jax.tree.leaves(p)
     table.by_id = {id(seen[i]): (i, probes[i]) for i in runs}
     with active(table):
-      return loss(p)
+      return loss(p, *args)
 
   value, vjp_fn, rest = jax.vjp(with_table, params, probes, has_aux=True)
   seed = borrowing.seed(c)  # the weight where the micro-batch counts.
@@ -205,8 +237,39 @@ def differentiate(loss: Callable[[Any], Any], params: Any,
   added = c._replace(weight=jnp.ones([], c.weight.dtype))
   table.combine = lambda run, g: reduce(run, g, added)
   grads, totals = vjp_fn(seed)
-  return Differentiated(value, rest, grads, added,
-                        {i: totals[i] for i in sorted(table.used)})
+  return value, rest, grads, {i: totals[i] for i in sorted(table.used)}
+
+
+def _safe(loss, args, params, runs, c, reduce, keys):
+  """:func:`_reduced`'s results computed as :mod:`empty_safe` does: where
+  the micro-batch is dropped its loss has no derivative. Each of ``keys``
+  is summed whole with its running sum, its rest zero."""
+  (value, rest), grads = empty_safe.value_and_grad(loss, c.keep, params,
+                                                   *args)
+  seed = borrowing.seed(c)
+  leaves, treedef = jax.tree.flatten(grads)
+  leaves = [g * seed.astype(g.dtype) for g in leaves]
+  added = c._replace(weight=jnp.ones([], c.weight.dtype))
+  totals = {i: reduce(runs[i], leaves[i], added) for i in keys}
+  for i in keys:
+    leaves[i] = axes.varying_like(jnp.zeros_like(leaves[i]), leaves[i])
+  return value, rest, treedef.unflatten(leaves), totals
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _dropped_if_empty(program, safe, params, arrays, runs, c):
+  """``program(params, arrays, runs, c)``; differentiated, ``safe``'s
+  derivative (given the leaves ``program`` reduced in its scan)."""
+  del safe
+  return program(params, arrays, runs, c)
+
+
+@_dropped_if_empty.defjvp
+def _dropped_if_empty_jvp(program, safe, primals, tangents):
+  out = _dropped_if_empty(program, safe, *primals)
+  keys = sorted(out[3])
+  _, dots = jax.jvp(functools.partial(safe, keys), primals, tangents)
+  return out, dots
 
 
 def _plain(x: Any) -> P | None:

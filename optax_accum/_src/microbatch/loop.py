@@ -163,8 +163,8 @@ def _differentiate(loss, opts, borrow, inputs, lay, params, model_state,
 
   if runs:
     c = contribution()
-    d = layer_sums.differentiate(lambda p: loss(p, *args), params, runs,
-                                     c, lay.sum_in_loop)
+    d = layer_sums.differentiate(loss, args, params, runs, c,
+                                 lay.sum_in_loop, own_data=borrow is None)
     return _Differentiated(d.value, d.rest, d.grads, c, d.added, microbatch,
                            d.totals)
   if borrow is None:

@@ -415,3 +415,47 @@ def test_inside_the_loss_s_own_transformations_it_is_lax_scan(how, in_loop):
   assert in_loop_seen == in_loop
   # The penalty's stack gradient is reduced after the loop.
   assert whole == (how == "grad_penalty" or not in_loop)
+
+
+def _squares(tree):
+  return sum((x.astype(jnp.float32) ** 2).sum() for x in jax.tree.leaves(tree))
+
+
+def _meta(grad_of, mode):
+  """A derivative of a gradient: of its squared norm (a gradient penalty,
+  reverse over reverse), or along all-ones (a Hessian-vector product)."""
+
+  def fn(params, batch):
+    if mode == "grad_of_grad":
+      return jax.grad(lambda p: _squares(grad_of(p, batch)))(params)
+    ones = jax.tree.map(jnp.ones_like, params)
+    return jax.jvp(lambda p: grad_of(p, batch), (params,), (ones,))[1]
+
+  return fn
+
+
+@pytest.mark.parametrize("form", ["shard_map", "auto"])
+@pytest.mark.parametrize("mode", ["grad_of_grad", "hvp"])
+def test_a_derivative_of_the_step_s_gradient_is_exact(form, mode):
+  """Differentiated in turn, with device 0's last micro-batch empty, the
+  step's gradient has the full batch's derivative. Before, a gradient
+  penalty through it was NaN under shard_map: the empty micro-batch's 0/0
+  met the zero cotangent of the select that drops it."""
+  mask = np.ones(ROWS, np.float32)
+  mask[6:8] = 0.0  # device 0's last micro-batch (its rows 6 and 7).
+  params, batch = _params(), _batch(mask)
+  grad_fn = oa.value_and_grad(_loss(oa.scan_layers), num_microbatches=K,
+                              num_tokens_fn=_count, axis_name="data",
+                              overlap_reduction=True)
+  fn = _meta(lambda p, b: grad_fn(p, b)[1], mode)
+  if form == "shard_map":
+    mesh = _mesh()
+    fn = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")),
+                       out_specs=P())
+  else:
+    mesh = _mesh(AxisType.Auto)
+  with jax.set_mesh(mesh):
+    got = jax.jit(fn)(jax.device_put(params, NamedSharding(mesh, P())),
+                      jax.device_put(batch, NamedSharding(mesh, P("data"))))
+  want = _meta(jax.grad(_loss(lax.scan)), mode)(params, batch)
+  helpers.assert_trees_close(got, want, rtol=1e-4, atol=1e-5)
