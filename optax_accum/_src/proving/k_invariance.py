@@ -14,6 +14,7 @@ import numbers
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from optax_accum._src.mesh import readers
@@ -256,6 +257,8 @@ def _compare_all(splits: tuple[int, ...], start: dict, results: dict,
     return compared, mismatch
   reference = {leaf.path: leaf.value
                for leaf in state_leaves.leaves(results[splits[0]])}
+  if unusable := _unusable_reference(splits[0], start, reference, skipped):
+    return compared, unusable
   for k in splits[1:]:
     if k in results:
       rows = _compare(k, start, reference, results[k], skipped, rtol)
@@ -264,6 +267,36 @@ def _compare_all(splits: tuple[int, ...], start: dict, results: dict,
       else:
         compared[k] = rows
   return compared, mismatch
+
+
+def _unusable_reference(k: int, start: dict, reference: dict,
+                        skipped: list[str]) -> str | None:
+  """Why the reference split's state cannot be compared, or None: it is
+  not shaped like the state given (a ``(state, metrics)`` pair), or its
+  update made a leaf NaN or infinite."""
+  if differ := sorted(set(start) ^ set(reference)):
+    return (f"with k={k} the step returned a pytree whose leaves differ from"
+            f" the state it was given: {', '.join(differ[:5])} (make_step(k)"
+            " must return a step that returns the state alone, shaped like"
+            " the one given: return metrics such as the loss some other"
+            " way).")
+  bad = [path for path, ref in reference.items()
+         if not state_leaves.under(path, skipped) and _float(ref)
+         and _float(start[path]) and not bool(jnp.isfinite(ref).all())
+         and bool(jnp.isfinite(start[path]).all())]
+  if bad:
+    return (f"the reference step (k={k}) made {', '.join(bad[:5])}"
+            " non-finite, so nothing can be compared: a gradient or loss is"
+            " NaN or infinite on this batch (a mean over zero tokens is 0/0:"
+            " divide by jnp.maximum(count, 1);"
+            " oa.accumulate(..., skip_nonfinite=True) drops such micro-steps),"
+            " or the update overflows.")
+  return None
+
+
+def _float(x: Any) -> bool:
+  return (isinstance(x, (jax.Array, np.ndarray))
+          and jnp.issubdtype(x.dtype, jnp.inexact))
 
 
 def _report(splits: tuple[int, ...], results: dict, errors: dict,

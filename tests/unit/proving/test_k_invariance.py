@@ -259,6 +259,35 @@ def test_a_nonfinite_gradient_is_reported(batch):
   assert "skip_nonfinite=True" in report.hint, report.hint
 
 
+def test_a_step_returning_state_and_metrics_is_reported(batch):
+  """A ``(state, metrics)`` pair is named, not a KeyError from inside."""
+  def make_step(k):
+    step = _one_call_step(k)
+    return lambda state, batch: (step(state, batch), {"loss": 1.0})
+
+  report = oa.check_k_invariance(make_step, _one_call_state(), batch)
+  assert not report.ok
+  assert "returns the state alone" in report.hint, report.hint
+  assert "[0][0]" in report.hint, report.hint
+
+
+def test_a_nonfinite_reference_is_named_not_taken_for_no_update(batch):
+  """Only the reference split's update is NaN: it is named as that, not as
+  a step that changed nothing (NaN compares unequal to every update)."""
+  def make_step(k):
+    step = _one_call_step(k)
+    if k > 1:
+      return step
+    return lambda state, batch: jax.tree.map(
+        lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating)
+        else x, step(state, batch))
+
+  report = oa.check_k_invariance(make_step, _one_call_state(), batch)
+  assert not report.ok
+  assert "reference step (k=1) made" in report.hint, report.hint
+  assert "non-finite" in report.hint, report.hint
+
+
 def test_a_step_that_raises_is_reported_not_raised(batch):
   def make_step(k):
     if k > 1:
