@@ -196,7 +196,6 @@ def differentiate(loss: Callable[..., Any], args: tuple[Any, ...],
   turn (a meta-gradient through the step), the result is what
   :mod:`empty_safe` gives, the layers' scan then ``lax.scan``.
   """
-  added = c._replace(weight=jnp.ones([], c.weight.dtype))
   if not own_data:
     out = _reduced(loss, args, params, runs, c, reduce)
   else:
@@ -215,7 +214,13 @@ def differentiate(loss: Callable[..., Any], args: tuple[Any, ...],
                                        reduce, keys),
         params, [leaves[i] for i in at], runs, c)
   value, rest, grads, totals = out
-  return Differentiated(value, rest, grads, added, totals)
+  return Differentiated(value, rest, grads, _weight_one(c), totals)
+
+
+def _weight_one(c: token_weighting.Contribution
+                ) -> token_weighting.Contribution:
+  """``c`` for a gradient that left the backward weighted by its seed."""
+  return c._replace(weight=jnp.ones([], c.weight.dtype))
 
 
 def _reduced(loss, args, params, runs, c, reduce):
@@ -234,8 +239,7 @@ def _reduced(loss, args, params, runs, c, reduce):
   value, vjp_fn, rest = jax.vjp(with_table, params, probes, has_aux=True)
   seed = borrowing.seed(c)  # the weight where the micro-batch counts.
   seed = axes.varying_like(seed.astype(jnp.result_type(value)), value)
-  added = c._replace(weight=jnp.ones([], c.weight.dtype))
-  table.combine = lambda run, g: reduce(run, g, added)
+  table.combine = lambda run, g: reduce(run, g, _weight_one(c))
   grads, totals = vjp_fn(seed)
   return value, rest, grads, {i: totals[i] for i in sorted(table.used)}
 
@@ -248,9 +252,8 @@ def _safe(loss, args, params, runs, c, reduce, keys):
                                                    *args)
   seed = borrowing.seed(c)
   leaves, treedef = jax.tree.flatten(grads)
-  leaves = [g * seed.astype(g.dtype) for g in leaves]
-  added = c._replace(weight=jnp.ones([], c.weight.dtype))
-  totals = {i: reduce(runs[i], leaves[i], added) for i in keys}
+  leaves = [g * seed.astype(g.dtype) if is_float(g) else g for g in leaves]
+  totals = {i: reduce(runs[i], leaves[i], _weight_one(c)) for i in keys}
   for i in keys:
     leaves[i] = axes.varying_like(jnp.zeros_like(leaves[i]), leaves[i])
   return value, rest, treedef.unflatten(leaves), totals

@@ -282,6 +282,7 @@ def _unusable_reference(k: int, start: dict, reference: dict,
             " way).")
   bad = [path for path, ref in reference.items()
          if not state_leaves.under(path, skipped) and _float(ref)
+         and not readers.unreduced_axes(ref)
          and _float(start[path]) and not bool(jnp.isfinite(ref).all())
          and bool(jnp.isfinite(start[path]).all())]
   if bad:
