@@ -17,8 +17,8 @@ back up):
                               readers of compiled programs
   mesh/                       reading and moving shardings
   validation.py               argument checks
-  conditional_loops.py        conditionals written as while loops (run_if,
-                              trips_if), differentiated as lax.cond
+  conditional_loops.py        conditionals written as loops (run_if,
+                              scan_if), differentiated as lax.cond
   names.py                    the named scopes the families write and
                               the readers look for; gradient_sync's values
   tree_match.py               a prefix spread over a tree, and where two

@@ -4,7 +4,8 @@
 body where the predicate holds, the carry as it was otherwise, under jit,
 vmap and shard_map), and how the readers of compiled programs place what
 runs in it: in a branch, not in a loop, and not moved out of it by XLA's
-loop-invariant code motion. ``trips_if``: n trips or none, as one loop.
+loop-invariant code motion. ``scan_if``: n trips as one scan, differentiated
+as n trips or none.
 """
 
 import jax
@@ -140,28 +141,25 @@ def test_the_gpu_programs_loop_gives_the_cpu_programs_result(
 
 
 def _trips_or_none(pred, x, w, n=3):
-  return conditional_loops.trips_if(
+  return conditional_loops.scan_if(
       pred, lambda c, i: c * w + jnp.sin(c) * i, n, x)
 
 
 @pytest.mark.parametrize("pred", [True, False])
-def test_trips_if_runs_every_trip_or_none(pred):
-  """``trips_if``: the n trips of a scan where pred holds, else the carry;
-  one while loop, whose trips are counted from where(pred, 0, n)."""
+def test_scan_if_runs_every_trip_as_one_scan(pred):
+  """``scan_if``: the n trips of a scan, whatever pred says (the caller
+  drops them where it fails); no while loop, no conditional."""
   x, w = jnp.arange(3.0), jnp.float32(0.7)
-
-  def scanned(x):
-    return jax.lax.scan(lambda c, i: (c * w + jnp.sin(c) * i, None), x,
-                        jnp.arange(3))[0]
-
+  scanned = jax.lax.scan(lambda c, i: (c * w + jnp.sin(c) * i, None), x,
+                         jnp.arange(3))[0]
   got = jax.jit(_trips_or_none)(jnp.bool_(pred), x, w)
-  np.testing.assert_allclose(got, scanned(x) if pred else x, rtol=1e-6)
+  np.testing.assert_allclose(got, scanned, rtol=1e-6)
   jaxpr = str(jax.make_jaxpr(_trips_or_none)(jnp.bool_(pred), x, w))
-  assert "while" in jaxpr and "cond[" not in jaxpr
+  assert "scan[" in jaxpr and "while[" not in jaxpr and "cond[" not in jaxpr
 
 
 @pytest.mark.parametrize("pred", [True, False])
-def test_trips_if_differentiates_as_a_cond_around_a_scan(pred):
+def test_scan_if_differentiates_as_a_cond_around_a_scan(pred):
   """Reverse mode (a loop of dynamic trip count has none): the gradients,
   with respect to the carry and to what the body closes over, are the
   scan's where pred holds and the identity's where it does not."""

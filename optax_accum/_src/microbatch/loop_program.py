@@ -28,8 +28,8 @@ def finish_loop(sums: loop_lib.Sums, out: loop_lib.LoopOut, params,
   gradient (summed over its shards, if sharded). ``divided``: the "mean"
   leaves of ``sums.grads`` are means already (:func:`divides_first`).
   """
-  # Zeros without tokens whatever the sums hold: the last micro-batch may
-  # run after the loop though none had tokens (trip_count.run_borrowing).
+  # Zeros without tokens whatever the sums hold: the borrowing loop runs its
+  # micro-batches though none has tokens (trip_count.run_borrowing).
   grads = grad_reduction_lib.mean_by_rule(sums.grads, sums.tokens, params,
                                           out.grad_rules, divided,
                                           zeros_if_empty=True)

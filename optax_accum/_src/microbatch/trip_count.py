@@ -81,16 +81,19 @@ def peel(loop, trip, step, state, stop, last_step=None):
 
 def run_borrowing(step, init, runs, num_microbatches, num_real,
                   last_step=None):
-  """The loop of :mod:`borrowing`: it runs no micro-batch at all if every
-  count is zero (their zero seeds would meet 0/0); ``runs`` says
-  (``borrowing.plan``: a bad count runs it, to reach the sums).
+  """The loop of :mod:`borrowing`: a ``lax.scan`` of every micro-batch,
+  whatever ``runs`` says (``borrowing.plan``: whether any micro-batch has
+  tokens, or a bad count that must reach the sums). Where none has tokens,
+  their zero seeds meet 0/0 and the sums may be NaN, with a token count of
+  zero: :func:`token_weighting.mean` makes the mean of no tokens zero, after
+  the reduction (a select before it, in the loop, had XLA's GPU compiler
+  fuse the leaves' selects into one and start no reduction before the last
+  micro-batch's). Differentiated, no micro-batch runs there
+  (:func:`conditional_loops.scan_if`), so that no NaN reaches a derivative.
+  With a traced ``num_real``, a while loop that runs none there.
 
   With ``last_step`` the last micro-batch runs after the loop
-  (:func:`peel`), whatever ``runs`` says: where it says none, its sums may
-  be NaN, with a token count of zero (:func:`token_weighting.mean` makes the
-  mean of no tokens zero, after the reduction: a select here, before it,
-  had XLA's GPU compiler fuse the leaves' selects into one and start no
-  reduction before the last).
+  (:func:`peel`).
 
   It outputs nothing per micro-batch (borrowing applies only where nothing
   is stacked): the values' dtype and the (leafless) stacked aux are read
@@ -109,7 +112,7 @@ def run_borrowing(step, init, runs, num_microbatches, num_real,
 
   def loop(step, carry, stop):
     if num_real is None:
-      return conditional_loops.trips_if(runs, body_of(step), stop, carry), None
+      return conditional_loops.scan_if(runs, body_of(step), stop, carry), None
     # A traced count: no reverse mode, as run_microbatches's.
     return conditional_loops.trips(body_of(step), jnp.where(runs, 0, stop),
                                    stop, carry), None

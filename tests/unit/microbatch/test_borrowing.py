@@ -192,9 +192,9 @@ def test_the_loop_adds_the_gradient_without_a_select():
 
 @pytest.mark.parametrize("lengths", [[0, 0, 3, 5, 1, 0, 2, 4], [0] * 8])
 def test_the_loop_differentiates_like_the_full_batch(lengths):
-  """The loop runs no micro-batch when none has tokens (a while loop);
-  differentiated, it is a conditional around a scan: jax.grad of the loss
-  is the full batch's gradient, and of a zero-token batch zero, not NaN.
+  """The loop is a scan of every micro-batch; differentiated, a conditional
+  around it that runs none when none has tokens: jax.grad of the loss is
+  the full batch's gradient, and of a zero-token batch zero, not NaN.
   Before jax 0.10.2 it is the select's loop (empty_safe's derivative)."""
   fn = oa.value_and_grad(mean_loss, num_microbatches=4,
                          num_tokens_fn=helpers.num_tokens)
@@ -213,13 +213,14 @@ def test_the_loop_differentiates_like_the_full_batch(lengths):
 
 
 @borrows
-def test_one_micro_batch_keeps_its_scan_of_one_trip():
-  """k = 1 has nothing to borrow, and XLA drops a scan of one trip (not a
-  loop whose trips are counted at run time: 64 MiB more per TPU chip in
-  benchmark k's deferred step)."""
-  def primitives(k):
-    fn = oa.value_and_grad(mean_loss, num_microbatches=k,
-                           num_tokens_fn=helpers.num_tokens)
-    return str(jax.make_jaxpr(fn)(_params(), _batch([3, 0, 2, 1])))
-  assert "while" not in primitives(1) and "scan" in primitives(1)
-  assert "while" in primitives(2)
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_loop_is_a_scan_not_a_while_loop(k):
+  """k = 1 has nothing to borrow, and XLA drops a scan of one trip; with
+  k = 2 the borrowing loop is a scan too. A loop whose trips are counted at
+  run time held 64 MiB more per TPU chip in benchmark k's deferred step, and
+  20 MiB more (251.0 against 231.1 MiB, the hand-written scan's) on the
+  16-layer decoder of benchmark q, data x tensor, TPU v5e."""
+  fn = oa.value_and_grad(mean_loss, num_microbatches=k,
+                         num_tokens_fn=helpers.num_tokens)
+  jaxpr = str(jax.make_jaxpr(fn)(_params(), _batch([3, 0, 2, 1])))
+  assert "while[" not in jaxpr and "scan[" in jaxpr and "cond[" not in jaxpr
