@@ -1,7 +1,7 @@
 """Work run where a predicate holds, as loops that differentiate as conds.
 
-Two forms, for two places where a ``lax.cond`` costs memory that a
-``lax.while_loop`` does not:
+Two forms, for two places where a ``lax.cond`` costs memory that a loop
+does not:
 
 * :func:`run_if`: ``lax.cond(pred, body, lambda x: x, init)`` written as a
   loop of at most one trip (``oa.update_and_apply``'s emit). A while loop's
