@@ -166,12 +166,25 @@ def check_candidates(candidates: Iterable[int] | None, rows: int) -> list[int]:
   """
   if candidates is None:
     return _divisors(rows)
+  if isinstance(candidates, (str, bytes)) or not isinstance(
+      candidates, Iterable):
+    raise TypeError(
+        "candidates must be None or an iterable of positive ints (the numbers"
+        f" of micro-batches to try), got {candidates!r} of type"
+        f" {type(candidates).__name__}: pass [{candidates!r}] to try one."
+    )
+  given = list(candidates)
   ks = sorted({validation.check_positive_int("candidates[i]", k)
-               for k in candidates})
-  bad = [k for k in ks if rows % k]
-  if not ks or bad:
+               for k in given})
+  if not ks:
+    raise ValueError(
+        "candidates must name at least one number of micro-batches, got"
+        f" {candidates!r}; pass None to try every divisor of the per-device"
+        f" batch size {rows}."
+    )
+  if any(rows % k for k in ks):
     raise ValueError(
         f"candidates must be divisors of the per-device batch size {rows},"
-        f" got {sorted(candidates)}."
+        f" got {given}."
     )
   return ks

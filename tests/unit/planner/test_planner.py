@@ -183,6 +183,13 @@ def test_bad_arguments_are_named_before_compiling():
     with pytest.raises(ValueError, match="divisors of the per-device batch"):
       oa.plan_microbatches(_loss, params, batch, memory_budget=1,
                            candidates=(3,), axis_name="data")
+    with pytest.raises(TypeError, match=r"candidates must be None or an"
+                       r" iterable.*pass \[4\]"):
+      oa.plan_microbatches(_loss, params, batch, memory_budget=1,
+                           candidates=4, axis_name="data")
+    with pytest.raises(ValueError, match="at least one number"):
+      oa.plan_microbatches(_loss, params, batch, memory_budget=1,
+                           candidates=[], axis_name="data")
   # Unsharded inputs carry no mesh: outside jax.set_mesh there is none.
   host = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
