@@ -10,6 +10,7 @@ layers scanned by ``oa.scan_layers``) are ``model_loops``'. The matrix
 multiplies and their flops are ``matmul_flops``'.
 """
 
+import math
 import re
 from typing import Any, NamedTuple
 
@@ -34,6 +35,10 @@ class ScheduledReduction(NamedTuple):
   asynchronous: bool  # a start and a done that other work may run between.
   starts_before_last_matmul: bool  # starts before the last matrix multiply.
   flops_between: int  # of the matrix multiplies between its start and done.
+  # The bytes that other work between its start and done writes, matrix
+  # multiplies aside (elementwise work: in a train step, commonly the
+  # optimizer's update of leaves already reduced).
+  bytes_written_between: int = 0
 
   @property
   def overlapped(self) -> bool:
@@ -118,6 +123,16 @@ class ReductionOverlap(NamedTuple):
           " backward finishes last (commonly the token embedding's"
           " scatter-add and the output projection's weight gradient, which"
           " XLA may schedule last).")
+    beside = [r for r in after if r.bytes_written_between >= r.nbytes]
+    if beside:
+      why[-1] += (
+          f" Of those, {len(beside)} run beside other work that writes at"
+          " least the bytes they reduce"
+          f" ({sum(r.bytes_written_between for r in beside) / 2**20:.2f} MiB"
+          " in all: in a train step, commonly the optimizer's update of"
+          " leaves already reduced, where no gradient-norm clip waits for"
+          " every reduction): hidden as far as that work lasts as long as"
+          " the transfer, which this reading cannot time.")
     return tuple(why)
 
   def __str__(self) -> str:
@@ -155,16 +170,36 @@ def _reduction(span: reduction_spans.Span, entry_work, last_matmul,
                                           data_axes)
   if nbytes is None:
     return None
+  between = entry_work[span.start + 1:span.done]
   return ScheduledReduction(
       span.name, span.collective.name, nbytes, span.asynchronous,
-      span.start < last_matmul,
-      sum(w.flops for w in entry_work[span.start + 1:span.done]))
+      span.start < last_matmul, sum(w.flops for w in between),
+      sum(w.written for w in between if not w.matmuls))
+
+
+# Instructions that move or name data without computing: no work to hide a
+# transfer behind.
+_NO_WORK = frozenset(hlo_text.COLLECTIVES) | frozenset(
+    hlo_text.ASYNC_CONTINUATIONS) | {
+        "parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+        "async-start", "copy-start", "copy-done", "send", "send-done", "recv",
+        "recv-done", "opt-barrier", "after-all", "partition-id",
+        "replica-id"}
 
 
 class _Work(NamedTuple):
   line: str
   flops: int
   matmuls: int
+  written: int  # the bytes of its result where it computes, else 0.
+
+
+def _written(opcode: str, line: str) -> int:
+  if opcode in _NO_WORK or opcode.endswith(("-start", "-done")) or (
+      hlo_text.is_reduce_scatter_fusion(line)):
+    return 0
+  return sum(hlo_text.ITEMSIZE[dtype] * math.prod(dims)
+             for dtype, dims in hlo_text.result_shapes(line))
 
 
 def reduction_overlap(
@@ -185,8 +220,11 @@ def reduction_overlap(
   all-reduce and reduce-scatter of the entry computation, whether it is
   asynchronous, whether it starts before the last matrix multiply (a
   ``dot`` or ``convolution``, in a fusion too, a cuBLAS or cuDNN
-  custom-call, or a loop or branch holding one), and the flops of the
-  matrix multiplies between its start and its done. Those in the body of a
+  custom-call, or a loop or branch holding one), the flops of the matrix
+  multiplies between its start and its done, and the bytes that other work
+  there writes (in a train step, the optimizer's update of leaves already
+  reduced may run beside a reduction that starts after the backward). Those
+  in the body of a
   model's own loop (:func:`optax_accum.scan_layers` reduces each layer's
   slice in its backward loop) run once per trip and are overlapped where
   asynchronous with a matrix multiply of that body between start and done;
@@ -248,7 +286,8 @@ def reduction_overlap(
   entry_name, computations = hlo_text.parse(text)
   flops = matmul_flops.Counter(computations)
   entry_work = [_Work(line, *flops.of_instruction(opcode, rest, line,
-                                                  entry_name))
+                                                  entry_name),
+                      _written(opcode, line))
                 for opcode, rest, line in computations[entry_name]]
   last_matmul = max((i for i, w in enumerate(entry_work) if w.matmuls),
                     default=-1)

@@ -47,7 +47,7 @@ def test_a_synchronous_reduction_after_the_last_dot_is_not_overlapped():
   assert report.overlapped_share == 0.0 and report.num_reductions == 1
   (reduction,) = report.reductions
   assert reduction == (
-      "ar", "all-reduce", 64 * 64 * 4, False, False, 0)
+      "ar", "all-reduce", 64 * 64 * 4, False, False, 0, 0)
   assert not reduction.overlapped
   assert "0.0% of 0.02 MiB" in str(report)
 
@@ -246,6 +246,31 @@ def test_why_not_hidden_tells_synchronous_from_late_reductions():
   assert sync.startswith("25.0% of the bytes") and "synchronous" in sync
   assert "LIBTPU_INIT_ARGS" in sync
   assert late.startswith("25.0% of the bytes") and "embedding" in late
+
+
+def test_a_late_reduction_beside_an_update_says_what_work_runs_beside_it():
+  """After the last dot, one reduction waits on nothing, and the next runs
+  beside an elementwise update of another leaf (an optimizer's, in a train
+  step) that writes more than it reduces: the bytes written are counted,
+  the share is not changed, and the cause names the work."""
+  late = """  %late = f32[32,64] all-reduce-start(%v), replica_groups={}
+  %update = f32[64,64] fusion(%w), kind=kLoop, calls=%add
+  %late_done = f32[32,64] all-reduce-done(%late)
+  %lone = f32[32,64] all-reduce-start(%late_done), replica_groups={}
+  %gte = f32[64,64] bitcast(%update)
+  ROOT %lone_done = f32[32,64] all-reduce-done(%lone)
+"""
+  report = oa.reduction_overlap(_module(_DOTS + late))
+  assert report.overlapped_share == 0.0
+  beside, alone = report.reductions
+  assert beside.bytes_written_between == 64 * 64 * 4
+  assert alone.bytes_written_between == 0  # a bitcast computes nothing.
+  (why,) = report.why_not_hidden
+  assert "Of those, 1 run beside other work" in why and "0.02 MiB" in why
+  assert "optimizer's update" in why
+  bare = oa.reduction_overlap(_module(_DOTS + late.replace(
+      "fusion(%w), kind=kLoop, calls=%add", "bitcast(%w)")))
+  assert "beside other work" not in str(bare)
 
 
 def test_nothing_to_say_where_every_reduction_is_hidden():
