@@ -85,6 +85,10 @@ def _check(form: forms.Form, settings: Settings, params: Any,
       fsdp.warn_if_sync_unused(
           _param_specs(params, settings.param_specs, form.axis_name),
           form.axis_name)
+  if form.kind == forms.SINGLE and settings.param_specs is not None:
+    # Unused on one device, but a tree that cannot fit params is named here,
+    # not first on the mesh.
+    fsdp.specs_like(params, settings.param_specs, None)
   if form.kind == forms.SINGLE:
     # Without data parallelism (no mesh, a mesh of one device, data axes of
     # size 1) there is nothing to defer: "deferred" is the plain gradient,

@@ -247,6 +247,20 @@ def test_batch_axes_errors_name_the_leaf_and_what_was_expected():
       fn(_params(), batch)
 
 
+def test_param_specs_that_do_not_fit_params_are_named_without_a_mesh():
+  """On one device param_specs does nothing, but a tree that cannot be a
+  prefix of the parameters' is named there too, not first on the mesh."""
+  fn = oa.value_and_grad(odd_loss, num_microbatches=2,
+                         param_specs={"nope": P("data")},
+                         batch_axes=_ODD_AXES, equal_weights=True)
+  with pytest.raises(ValueError, match=r"param_specs must be a"
+                     r" PartitionSpec or a tree prefix of the parameters'"):
+    fn(_params(), _odd_batch(), jnp.float32(1.0), power=2.0)
+  fits = oa.value_and_grad(odd_loss, num_microbatches=2, param_specs=P(),
+                           batch_axes=_ODD_AXES, equal_weights=True)
+  fits(_params(), _odd_batch(), jnp.float32(1.0), power=2.0)
+
+
 # aux_reduction.
 
 
