@@ -126,8 +126,9 @@ class ReductionOverlap(NamedTuple):
     beside = [r for r in after if r.bytes_written_between >= r.nbytes]
     if beside:
       why[-1] += (
-          f" Of those, {len(beside)} run beside other work that writes at"
-          " least the bytes they reduce"
+          f" Of those, {len(beside)}"
+          f" {'runs' if len(beside) == 1 else 'run'} beside other work that"
+          " writes at least the bytes it reduces"
           f" ({sum(r.bytes_written_between for r in beside) / 2**20:.2f} MiB"
           " in all: in a train step, commonly the optimizer's update of"
           " leaves already reduced, where no gradient-norm clip waits for"
@@ -224,13 +225,12 @@ def reduction_overlap(
   multiplies between its start and its done, and the bytes that other work
   there writes (in a train step, the optimizer's update of leaves already
   reduced may run beside a reduction that starts after the backward). Those
-  in the body of a
-  model's own loop (:func:`optax_accum.scan_layers` reduces each layer's
-  slice in its backward loop) run once per trip and are overlapped where
-  asynchronous with a matrix multiply of that body between start and done;
-  those in the micro-batch loop are left out. A synchronous reduction is
-  never overlapped. On TPUs, asynchronous all-reduces need
-  ``LIBTPU_INIT_ARGS`` flags (docs/performance.md).
+  in the body of a model's own loop (:func:`optax_accum.scan_layers`
+  reduces each layer's slice in its backward loop) run once per trip and
+  are overlapped where asynchronous with a matrix multiply of that body
+  between start and done; those in the micro-batch loop are left out. A
+  synchronous reduction is never overlapped. On TPUs, asynchronous
+  all-reduces need ``LIBTPU_INIT_ARGS`` flags (docs/performance.md).
 
   Args:
     program: what :func:`optax_accum.count_collectives` takes: a compiled

@@ -179,7 +179,7 @@ def check_candidates(candidates: Iterable[int] | None, rows: int) -> list[int]:
   if not ks:
     raise ValueError(
         "candidates must name at least one number of micro-batches, got"
-        f" {candidates!r}; pass None to try every divisor of the per-device"
+        f" {given}; pass None to try every divisor of the per-device"
         f" batch size {rows}."
     )
   if any(rows % k for k in ks):

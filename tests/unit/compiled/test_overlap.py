@@ -266,7 +266,7 @@ def test_a_late_reduction_beside_an_update_says_what_work_runs_beside_it():
   assert beside.bytes_written_between == 64 * 64 * 4
   assert alone.bytes_written_between == 0  # a bitcast computes nothing.
   (why,) = report.why_not_hidden
-  assert "Of those, 1 run beside other work" in why and "0.02 MiB" in why
+  assert "Of those, 1 runs beside other work" in why and "0.02 MiB" in why
   assert "optimizer's update" in why
   bare = oa.reduction_overlap(_module(_DOTS + late.replace(
       "fusion(%w), kind=kLoop, calls=%add", "bitcast(%w)")))
