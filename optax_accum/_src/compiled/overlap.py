@@ -180,12 +180,11 @@ def _reduction(span: reduction_spans.Span, entry_work, last_matmul,
 
 # Instructions that move or name data without computing: no work to hide a
 # transfer behind.
-_NO_WORK = frozenset(hlo_text.COLLECTIVES) | frozenset(
-    hlo_text.ASYNC_CONTINUATIONS) | {
-        "parameter", "constant", "get-tuple-element", "tuple", "bitcast",
-        "async-start", "copy-start", "copy-done", "send", "send-done", "recv",
-        "recv-done", "opt-barrier", "after-all", "partition-id",
-        "replica-id"}
+# (Every ``-start`` and ``-done`` too: ``_written`` reads the suffix.)
+_NO_WORK = frozenset(hlo_text.COLLECTIVES) | {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+    "async-update", "send", "recv", "opt-barrier", "after-all",
+    "partition-id", "replica-id"}
 
 
 class _Work(NamedTuple):

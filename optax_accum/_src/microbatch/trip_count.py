@@ -85,10 +85,10 @@ def run_borrowing(step, init, runs, num_microbatches, num_real,
   whatever ``runs`` says (``borrowing.plan``: whether any micro-batch has
   tokens, or a bad count that must reach the sums). Where none has tokens,
   their zero seeds meet 0/0 and the sums may be NaN, with a token count of
-  zero: :func:`token_weighting.mean` makes the mean of no tokens zero, after
-  the reduction (a select before it, in the loop, had XLA's GPU compiler
-  fuse the leaves' selects into one and start no reduction before the last
-  micro-batch's). Differentiated, no micro-batch runs there
+  zero: :func:`grad_reduction.mean_by_rule` makes the mean of no tokens
+  zero, after the reduction (a select before it, in the loop, had XLA's GPU
+  compiler fuse the leaves' selects into one and start no reduction before
+  the last micro-batch's). Differentiated, no micro-batch runs there
   (:func:`conditional_loops.scan_if`), so that no NaN reaches a derivative.
   With a traced ``num_real``, a while loop that runs none there.
 
