@@ -18,6 +18,7 @@ import threading
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -58,9 +59,14 @@ class Table:
     self.used: set[int] = set()  # leaf indices a scan reduced.
 
 
+# jax.core's name warns of its deprecation since jax 0.10.
+_get_trace_state = getattr(jax.extend.core, "get_opaque_trace_state", None) or (
+    jax.core.get_opaque_trace_state)
+
+
 def _trace() -> Any:
   """The JAX trace the caller runs in, comparable by ``==``."""
-  return jax.core.get_opaque_trace_state(convention="optax_accum")
+  return _get_trace_state(convention="optax_accum")
 
 
 @contextlib.contextmanager
