@@ -47,6 +47,24 @@ def no_update(rows: list[LeafDiff], k: int) -> str | None:
   return None
 
 
+def below_rounding(rows: list[LeafDiff]) -> str | None:
+  """When no floating leaf's update outgrows its own rounding, and some are
+  bfloat16 or float16: the comparison could not see a mistake."""
+  floats = [row for row in rows if row.allowed > 0]  # integers allow none.
+  if not floats or any(row.update > row.rounding for row in floats):
+    return None
+  coarse = [row for row in floats if row.low_precision]
+  if not coarse:
+    return None
+  return (
+      f"the update of {_paths(coarse)} is within the rounding of its dtype"
+      " (its spacing near the values it holds), and no leaf's update is"
+      " larger than its own rounding: a step scaled wrong, or one that"
+      " rounds every update away, would look the same, so nothing was"
+      " shown. Check a float32 copy of the state (cast its floating leaves"
+      " with x.astype(jnp.float32)), or a larger learning rate.")
+
+
 def unapplied(rows: list[LeafDiff], optimizer_states: list[str]) -> str | None:
   """When oa.accumulate emitted an update but no other leaf moved."""
   counts = {f"{path}.count" for path in optimizer_states}

@@ -126,9 +126,10 @@ def _compare(k: int, start: dict, reference: dict, result: Any,
             " step that returns a state shaped like the one it was given).")
   leaves = {}
   for path, ref in reference.items():
-    if (state_leaves.under(path, skipped) or readers.unreduced_axes(ref)
-        or not isinstance(ref, (jax.Array, np.ndarray, numbers.Number))):
-      continue  # skipped, partial sums by design, or not an array.
+    if (state_leaves.under(path, skipped)
+        or not isinstance(ref, (jax.Array, np.ndarray, numbers.Number))
+        or readers.unreduced_axes(ref)):
+      continue  # skipped, not an array, or partial sums by design.
     res = got[path]
     if (getattr(res, "shape", ()), getattr(res, "dtype", None)) != (
         getattr(ref, "shape", ()), getattr(ref, "dtype", None)):
@@ -280,6 +281,11 @@ def _unusable_reference(k: int, start: dict, reference: dict,
             " must return a step that returns the state alone, shaped like"
             " the one given: return metrics such as the loss some other"
             " way).")
+  if reshaped := _reshaped(start, reference, skipped):
+    path, given, got = reshaped
+    return (f"with k={k} the step returned the leaf {path} as {got}, not"
+            f" {given} as given: make_step(k) must return a step that"
+            " returns a state shaped like the one it was given.")
   bad = [path for path, ref in reference.items()
          if not state_leaves.under(path, skipped) and _float(ref)
          and not readers.unreduced_axes(ref)
@@ -292,6 +298,21 @@ def _unusable_reference(k: int, start: dict, reference: dict,
             " divide by jnp.maximum(count, 1);"
             " oa.accumulate(..., skip_nonfinite=True) drops such micro-steps),"
             " or the update overflows.")
+  return None
+
+
+def _reshaped(start: dict, reference: dict,
+              skipped: list[str]) -> tuple[str, Any, Any] | None:
+  """The first array leaf the reference split returned with another shape
+  or dtype than the state's: ``(path, given type, returned type)``."""
+  arrays = (jax.Array, np.ndarray)
+  for path, ref in reference.items():
+    given = start[path]
+    if (state_leaves.under(path, skipped) or not isinstance(ref, arrays)
+        or not isinstance(given, arrays)):
+      continue
+    if (ref.shape, ref.dtype) != (given.shape, given.dtype):
+      return path, jax.typeof(given), jax.typeof(ref)
   return None
 
 
@@ -310,7 +331,12 @@ def _report(splits: tuple[int, ...], results: dict, errors: dict,
   rows = sorted((row for rows in compared.values() for row in rows),
                 key=lambda row: -row.excess)
   moved = any(row.update > 0 and row.allowed > 0 for row in rows)
-  hint = _outcome_hint(errors, mismatch, moved, reference_k)
+  # oa.accumulate's float count of tokens moves however small the update.
+  counted = state_leaves.field_paths(results.get(reference_k), ("tokens_seen",))
+  hint = (_outcome_hint(errors, mismatch, True, reference_k)
+          or hints.below_rounding([row for row in rows if not (
+              state_leaves.under(row.path, counted))])
+          or _outcome_hint({}, None, moved, reference_k))
   if not hint and rows:
     hint = hints.unapplied(
         next(iter(compared.values())),

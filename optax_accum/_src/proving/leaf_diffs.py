@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-RTOL = float(np.sqrt(np.finfo(np.float32).eps))
+_F32_EPS = float(np.finfo(np.float32).eps)
+RTOL = float(np.sqrt(_F32_EPS))
 
 
 class LeafDiff(NamedTuple):
@@ -52,6 +53,9 @@ class LeafDiff(NamedTuple):
     nonfinite: the leaf holds NaN or infinity where ``x_0`` held none.
     zero_gradient: the leaf's parameter has a gradient at float32 rounding
       (see :func:`rounding_gradients`): it passes whatever its difference.
+    rounding: the allowance's second term, ``4 * eps * ||x_ref||``.
+    low_precision: the leaf is a floating dtype coarser than float32
+      (bfloat16, float16, float8).
   """
 
   path: str
@@ -64,6 +68,8 @@ class LeafDiff(NamedTuple):
   clean_scale: bool
   nonfinite: bool
   zero_gradient: bool = False
+  rounding: float = 0.0
+  low_precision: bool = False
 
   @property
   def ok(self) -> bool:
@@ -85,9 +91,16 @@ def _norm(x: jax.Array) -> jax.Array:
   return top * jnp.sqrt(jnp.sum(jnp.square(x / safe)))
 
 
+def _minus(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a - b``, zero where the two are equal (infinities too) or both NaN:
+  a leaf holding an infinite mask the step leaves alone is unchanged."""
+  same = (a == b) | (jnp.isnan(a) & jnp.isnan(b))
+  return jnp.where(same, 0.0, a - b)
+
+
 def _float_stats(x0: jax.Array, ref: jax.Array, res: jax.Array) -> dict:
   x0, ref, res = (v.astype(jnp.float32) for v in (x0, ref, res))
-  u_ref, u_k, diff = ref - x0, res - x0, res - ref
+  u_ref, u_k, diff = _minus(ref, x0), _minus(res, x0), _minus(res, ref)
   top = jnp.maximum(jnp.max(jnp.abs(u_ref), initial=0.0),
                     jnp.max(jnp.abs(u_k), initial=0.0))
   safe = jnp.where(top > 0, top, 1.0)
@@ -97,7 +110,7 @@ def _float_stats(x0: jax.Array, ref: jax.Array, res: jax.Array) -> dict:
       "max_abs": jnp.max(jnp.abs(diff), initial=0.0),
       "error": _norm(diff),
       "update": _norm(u_ref),
-      "size": _norm(ref),
+      "size": _norm(jnp.where(jnp.isfinite(ref), ref, 0.0)),
       "scale": scale,
       "residual": _norm(b - scale * a) / jnp.maximum(_norm(b), 1e-30),
       "nonfinite": jnp.any(~jnp.isfinite(res) & jnp.isfinite(x0)),
@@ -142,10 +155,12 @@ def _as_numbers(x: Any) -> Any:
 def _row(path: str, k: int, ref: jax.Array, s: dict, rtol: float) -> LeafDiff:
   if _is_float(ref):
     eps = float(jnp.finfo(ref.dtype).eps)
-    allowed = rtol * s["update"] + 4 * eps * s["size"]
-    return LeafDiff(path, k, s["max_abs"], s["error"], allowed, s["update"],
+    rounding = 4 * eps * s["size"]
+    return LeafDiff(path, k, s["max_abs"], s["error"],
+                    rtol * s["update"] + rounding, s["update"],
                     s["scale"] if s["update"] > 0 else float("nan"),
-                    s["residual"] < 1e-2, bool(s["nonfinite"]))
+                    s["residual"] < 1e-2, bool(s["nonfinite"]),
+                    rounding=rounding, low_precision=eps > _F32_EPS)
   change_ref, change_k = s["changes"]
   scale = change_k / change_ref if change_ref else float("nan")
   return LeafDiff(path, k, s["max_abs"], s["max_abs"], 0.0,

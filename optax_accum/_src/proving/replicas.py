@@ -43,9 +43,16 @@ class ReplicaReport(NamedTuple):
             f"{rows}")
 
 
+def _set_mesh_axes() -> tuple:
+  """The axes of the mesh ``jax.set_mesh`` set, if any."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return () if mesh.empty else tuple(mesh.axis_names)
+
+
 def _device_rows(x: Any) -> bool:
   """Whether ``x`` is laid out as a pmap lays out its outputs: one row per
-  device, over the one axis of a mesh of Auto axes."""
+  device, over the one axis of a mesh of Auto axes. Under ``jax.set_mesh``
+  an array sharded over that mesh's axis is sharded (FSDP), not copies."""
   if not isinstance(x, jax.Array) or not x.ndim:
     return False
   sharding = x.sharding
@@ -53,7 +60,8 @@ def _device_rows(x: Any) -> bool:
     return True
   mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", ())
   if mesh is None or len(mesh.axis_names) != 1 or readers.are_explicit(
-      mesh, tuple(mesh.axis_names)):
+      mesh, tuple(mesh.axis_names)) or (
+          mesh.axis_names[0] in _set_mesh_axes()):
     return False
   return (tuple(spec)[:1] == (mesh.axis_names[0],)
           and x.shape[0] == mesh.devices.size)
@@ -67,14 +75,18 @@ def pmap_style(arrays: list[Any]) -> bool:
 
 
 def _host(x: Any) -> np.ndarray:
-  return np.asarray(x, dtype=np.float64)
+  x = np.asarray(x)
+  return x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)
 
 
 def _difference(a: np.ndarray, b: np.ndarray) -> float:
-  """The largest elementwise difference; NaN equals NaN, else is inf."""
-  both_nan = np.isnan(a) & np.isnan(b)
-  diff = np.where(both_nan, 0.0, np.abs(a - b))
-  return float(np.nan_to_num(diff, nan=np.inf).max(initial=0.0))
+  """The largest elementwise difference: none where the values are equal
+  (infinities too) or both NaN; inf where only one is NaN."""
+  same = (a == b) | (np.isnan(a) & np.isnan(b))
+  with np.errstate(invalid="ignore"):  # inf - inf, masked by ``same``.
+    diff = np.where(same, 0.0, np.abs(a - b))
+  return float(np.nan_to_num(diff, nan=np.inf, posinf=np.inf).max(
+      initial=0.0))
 
 
 def _copies(x: jax.Array, rows: bool) -> list[list[np.ndarray]]:
@@ -111,7 +123,8 @@ def check_replicas(tree: Any) -> ReplicaReport:
   Every array leaf is read as it is laid out: devices that hold the same
   part of it (its replicas over some mesh axes) must hold the same values,
   bit for bit. A tree whose every array is laid out as :func:`jax.pmap`'s
-  outputs (a leading axis of one row per device) is a pmap train state:
+  outputs (a leading axis of one row per device over a one-axis mesh, not
+  the mesh ``jax.set_mesh`` set: there it is sharded) is a pmap train state:
   its rows are the devices' copies, as parameters replicated for ``pmap``
   are, so pass the leaves meant to be replicated. Leaves typed
   unreduced (partial sums by design), and the per-device running sums of an

@@ -375,3 +375,55 @@ def test_the_state_passed_into_update_given_to_apply_if_updated_is_reported(
       _params())), batch)
   assert not report.ok
   assert "not the one passed into it" in report.hint, report.hint
+
+
+def test_an_infinite_leaf_left_alone_and_a_non_array_leaf_pass(batch):
+  """A state holding ``inf`` the step never touches (a best loss so far)
+  and a string: a correct step still passes; inf - inf is not a difference,
+  and the string is not compared."""
+  def make_step(k):
+    step = _one_call_step(k)
+    return lambda state, batch: {**state, "train": step(state["train"], batch)}
+
+  state = {"train": _one_call_state(), "best_loss": jnp.float32(jnp.inf),
+           "mask": jnp.array([0.0, -jnp.inf]), "name": "run 1"}
+  report = oa.check_k_invariance(make_step, state, batch)
+  assert report.ok, report
+
+
+def test_a_leaf_returned_in_another_shape_is_reported(batch):
+  """Every split transposing a weight: named, not a broadcasting error."""
+  def make_step(k):
+    step = _one_call_step(k)
+
+    def transposed(state, batch):
+      params, opt_state = step(state, batch)
+      return {**params, "w1": params["w1"].T}, opt_state
+    return transposed
+
+  report = oa.check_k_invariance(make_step, _one_call_state(), batch)
+  assert not report.ok
+  assert "['w1'] as float32[" in report.hint, report.hint
+  assert "shaped like the one it was given" in report.hint, report.hint
+
+
+def test_a_bfloat16_update_within_rounding_is_not_called_exact(batch):
+  """SGD on bfloat16 parameters whose update is smaller than their
+  spacing: a step scaled by 1/k would look the same, so the report says it
+  cannot tell instead of passing (a float32 copy of the same state shows
+  the mistake)."""
+  opt = optax.sgd(1e-3)
+
+  def make_step(k):
+    return _per_call_step(k, opt=opt, loss_fn=lambda p, mb: (
+        helpers.mlp_mean_loss(p, mb) / k))
+
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params())
+  state = params, oa.accumulate(opt, every_k=1).init(params)
+  report = oa.check_k_invariance(make_step, state, batch)
+  assert not report.ok
+  assert "within the rounding of its dtype" in report.hint, report.hint
+  as_f32 = jax.tree.map(lambda x: x.astype(jnp.float32)
+                        if x.dtype == jnp.bfloat16 else x, state)
+  report = oa.check_k_invariance(make_step, as_f32, batch)
+  assert not report.ok and "1/4" in report.hint, report.hint

@@ -106,3 +106,26 @@ def test_an_unreduced_running_sum_is_skipped():
     _, state = jax.jit(tx.update)(grads, tx.init(params), params)
     report = oa.check_replicas({"params": params, "state": state})
   assert report.ok, report
+
+
+def test_equal_infinities_are_equal_and_a_complex_part_counts():
+  """Copies holding the same -inf (a mask) agree; copies differing only in
+  their imaginary part do not."""
+  sharding = NamedSharding(_mesh(), P())
+  mask = np.array([0.0, -np.inf, 1.0], np.float32)
+  assert oa.check_replicas(_replicated_with([mask] * 8, sharding)).ok
+  z = np.array([1 + 1j], np.complex64)
+  report = oa.check_replicas(_replicated_with([z] * 7 + [z + 2j], sharding))
+  assert not report.ok and report.worst[1] == 2.0
+
+
+def test_a_leaf_sharded_over_the_set_one_axis_mesh_is_not_pmap_rows():
+  """Under ``jax.set_mesh``, one row per device over that mesh's axis is a
+  sharded array (FSDP), not a pmap's copies: no replicas to compare."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  w = jax.device_put(jnp.arange(16.0).reshape(8, 2),
+                     NamedSharding(mesh, P("data")))
+  with jax.set_mesh(mesh):
+    report = oa.check_replicas({"w": w})
+  assert report.ok and report.checked == 0
+  assert not oa.check_replicas({"w": w}).ok  # without it: read as rows.
