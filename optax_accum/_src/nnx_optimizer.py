@@ -16,6 +16,49 @@ from optax_accum._src.accumulate import state_access
 _as_pure = getattr(nnx, "as_pure", None) or nnx.pure
 
 
+def _is_transformation(tx: Any) -> bool:
+  """An optax transformation: ``init`` and ``update``, and not a Module."""
+  return (not isinstance(tx, nnx.Module)
+          and callable(getattr(tx, "init", None))
+          and callable(getattr(tx, "update", None)))
+
+
+def _kind(x: Any) -> str:
+  """``x``'s type in an error message (None as itself)."""
+  return "None" if x is None else type(x).__name__
+
+
+def _check_init_args(model: Any, tx: Any) -> None:
+  """Raises naming the argument before flax reads ``tx.init``."""
+  if isinstance(tx, nnx.Module) and _is_transformation(model):
+    raise TypeError(
+        f"oa.AccumulatingOptimizer got tx={type(tx).__name__} (an"
+        f" nnx.Module) and model={type(model).__name__} (an optax"
+        " transformation): the arguments are swapped. Call"
+        " oa.AccumulatingOptimizer(model, tx, wrt=...), the model first.")
+  if not _is_transformation(tx):
+    raise TypeError(
+        "tx must be an optax GradientTransformation holding oa.accumulate"
+        " (such as oa.accumulate(optax.adamw(1e-3), every_k=4)), got"
+        f" {_kind(tx)}: oa.AccumulatingOptimizer(model, tx, wrt=...).")
+  if model is None or _is_transformation(model):
+    raise TypeError(
+        f"model must be the nnx.Module to train, got {_kind(model)}:"
+        " oa.AccumulatingOptimizer(model, tx, wrt=...).")
+
+
+def _check_update_args(model: Any, grads: Any) -> None:
+  """Raises on ``update(grads, model)``, which would use the model's
+  weights as the gradients (and write the update into ``grads``)."""
+  if isinstance(grads, nnx.Module) and not isinstance(model, nnx.Module):
+    raise TypeError(
+        "AccumulatingOptimizer.update(model, grads) got"
+        f" model={type(model).__name__} (expected the nnx.Module to update)"
+        f" and grads={type(grads).__name__} (an nnx.Module where the"
+        " gradients, an nnx.State as nnx.grad returns, were expected): the"
+        " arguments are swapped. Call optimizer.update(model, grads, ...).")
+
+
 class AccumulatingOptimizer(nnx.Optimizer):
   """``nnx.Optimizer`` for a transformation holding :func:`accumulate`.
 
@@ -47,6 +90,7 @@ class AccumulatingOptimizer(nnx.Optimizer):
   """
 
   def __init__(self, model: Any, tx: Any, *, wrt: Any, **kwargs: Any):
+    _check_init_args(model, tx)
     super().__init__(model, tx, wrt=wrt, **kwargs)
     # Raises, naming the mistake, unless tx holds an accumulate.
     state_access.find_accumulate_state(self.opt_state)
@@ -64,6 +108,7 @@ class AccumulatingOptimizer(nnx.Optimizer):
     ``kwargs`` reach ``tx.update``: ``num_tokens`` (the micro-batch's
     count), ``emit`` and the inner optimizer's extra arguments.
     """
+    _check_update_args(model, grads)
     params, opt_state = applying.update_and_apply(
         self.tx, _as_pure(self._state(grads)), _as_pure(self.opt_state),
         _as_pure(self._state(model)), **_as_pure(kwargs))

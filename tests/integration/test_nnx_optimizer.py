@@ -108,3 +108,29 @@ def test_a_transformation_without_accumulate_is_refused():
   model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="accumulate"):
     oa.AccumulatingOptimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+
+@pytest.mark.parametrize("swap", ["tx_model", "model_none"])
+def test_misplaced_constructor_arguments_are_named(swap):
+  """They raised flax's "'Linear' object has no attribute 'init'"."""
+  model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+  tx = oa.accumulate(optax.sgd(0.1), every_k=2)
+  args, match = {
+      "tx_model": ((tx, model), r"swapped.*\(model, tx"),
+      "model_none": ((model, None), r"tx must be an optax.*got None"),
+  }[swap]
+  with pytest.raises(TypeError, match=match):
+    oa.AccumulatingOptimizer(*args, wrt=nnx.Param)
+
+
+def test_update_with_grads_and_model_swapped_is_named():
+  """update(grads, model) used the model's weights as the gradients."""
+  model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+  optimizer = _accumulating(model, 1)
+  before = _params(model)
+  grads = nnx.grad(_loss)(model, _batch(5))
+  with pytest.raises(TypeError, match=r"model=State \(expected the"
+                     r" nnx.Module.*grads=Linear.*swapped"):
+    optimizer.update(grads, model, num_tokens=4.0)
+  helpers.assert_trees_equal(_params(model), before)
+  assert int(optimizer.step[...]) == 0

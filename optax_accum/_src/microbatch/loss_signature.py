@@ -160,8 +160,10 @@ def _describe(x: Any) -> str:
   return type(x).__name__
 
 
-def scalar(loss: Any) -> Any:
-  """``loss``, or a clear error if it is not a real floating scalar."""
+def scalar(loss: Any) -> jax.Array:
+  """``loss`` as an array, or a clear error if it is not a real floating
+  scalar (a Python float, as :func:`jax.value_and_grad` takes, becomes a
+  weakly typed array: the loop reads its dtype)."""
   if not (hasattr(loss, "shape") or isinstance(loss, numbers.Number)):
     raise TypeError(
         "loss_fn must return a scalar loss (a mean or sum over its"
@@ -178,7 +180,7 @@ def scalar(loss: Any) -> Any:
         f" {jnp.result_type(loss)}: it is differentiated (an integer or"
         " boolean loss, such as a count of correct answers, has no"
         " gradient).")
-  return loss
+  return jnp.asarray(loss)
 
 
 def _unpaired(out: Any) -> Any:

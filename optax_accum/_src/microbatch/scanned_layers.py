@@ -88,7 +88,9 @@ def scan_layers(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any,
   table = layer_sums.current()
   leaves = jax.tree.leaves(xs)
   found = {}
-  if table is not None and all(
+  # No layer (a stack of zero): lax.scan's, with no layer slice to trace.
+  empty = length == 0 or any(jnp.shape(x)[:1] == (0,) for x in leaves)
+  if table is not None and not empty and all(
       layer_sums.is_float(x) for x in jax.tree.leaves((init, xs))):
     for p, leaf in enumerate(leaves):
       hit = table.by_id.get(id(leaf))

@@ -69,6 +69,43 @@ def test_loss_returning_a_dict_names_the_scalar_loss():
     fn(jnp.ones(2), _batch())
 
 
+def _one(with_aux, with_state):
+  """A loss_fn returning the Python float 1.0 (and aux, state as asked)."""
+  def loss_fn(w, *rest):
+    del w
+    aux = {"n": 2.0}
+    if with_state:
+      return 1.0, ((rest[0], aux) if with_aux else rest[0])
+    return (1.0, aux) if with_aux else 1.0
+  return loss_fn
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("has_aux,has_state,overlap", [
+    (False, False, False), (True, False, False), (False, True, False),
+    (True, True, False), (False, False, True)],
+    ids=["plain", "aux", "state", "aux_state", "overlap_shard_map"])
+def test_a_python_float_loss_has_zero_gradients_as_in_jax(
+    jit, has_aux, has_state, overlap):
+  """As jax.value_and_grad; it was "'float' object has no attribute
+  'dtype'" from the loop."""
+  fn = oa.value_and_grad(
+      _one(has_aux, has_state), num_microbatches=K, equal_weights=True,
+      has_aux=has_aux, has_state=has_state, overlap_reduction=overlap,
+      axis_name="data" if overlap else None)
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))
+  if overlap:
+    fn = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")),
+                       out_specs=P())
+  fn = jax.jit(fn) if jit else fn
+  state = (jnp.zeros(3),) if has_state else ()
+  with jax.set_mesh(mesh):
+    batch = jax.device_put(_batch(), P("data")) if overlap else _batch()
+    value, grads = fn(jnp.ones(2), *state, batch)
+  loss = value[0] if has_aux or has_state else value
+  np.testing.assert_array_equal(loss, 1.0)
+  np.testing.assert_array_equal(grads, jnp.zeros(2))
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_an_integer_loss_is_named_not_differentiated_to_zeros(k):
   """An integer loss (a count of correct answers) has no gradient: named,

@@ -300,6 +300,17 @@ def test_an_integer_carry_falls_back_to_lax_scan():
   assert _reduced_in_loop(text) == (False, True)
 
 
+def test_a_stack_of_zero_layers_is_lax_scan_s():
+  """No layer to run: as lax.scan, where x[0] raised IndexError."""
+  params, batch = _params(), _batch()
+  params["layers"] = jnp.zeros((0, DIM, DIM))
+  (value, grads), _ = _step(_loss(oa.scan_layers), overlap_reduction=True)(
+      params, batch)
+  helpers.assert_trees_close((value, grads), _full(params, batch),
+                             rtol=1e-5, atol=1e-6)
+  assert grads["layers"].shape == (0, DIM, DIM)
+
+
 def test_a_stack_given_twice_is_summed_once():
   """The same stacked leaf twice in ``xs`` (and a second scan over it): its
   running sum is added once; the other uses' gradient is reduced after."""
