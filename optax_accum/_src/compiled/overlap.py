@@ -107,7 +107,11 @@ class ReductionOverlap(NamedTuple):
           " micro-batch loop keeping its last micro-batch, as"
           " overlap_reduction=False does, or a model's scanned layers,"
           " whose stacked leaves' gradients the backward loop finishes"
-          " together).")
+          " together). overlap_reduction=False is oa.value_and_grad's"
+          " default because the last micro-batch after the loop compiles"
+          " the forward and backward twice and can raise the peak: compile"
+          " your step with overlap_reduction=True and read its share and"
+          " peak before keeping it.")
     elif after and self.last_matmul_in_loop:
       why.append(
           f"{late_bytes} reductions that start after the last matrix"

@@ -226,6 +226,7 @@ def test_why_not_hidden_names_a_loop_that_ends_with_the_last_matmul():
   (why,) = report.why_not_hidden
   assert why.startswith("100.0% of the bytes (0.02 MiB) in 1 reductions")
   assert "in a loop" in why and "overlap_reduction=False" in why
+  assert "default because" in why and "twice" in why  # why it is off.
   assert "not hidden: 100.0%" in str(report)
 
 
