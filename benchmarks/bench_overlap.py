@@ -15,7 +15,8 @@ micro-batches in one call each:
   ``trip_count.where_it_overlaps`` replaced by its ``plain`` branch while
   tracing;
 * ``scan``: the hand-written token-weighted ``lax.scan`` of ``jax.grad``
-  (``zoo/peers.py``), reducing after its loop;
+  (``zoo/peers.py``), reducing after its loop (ZeRO-1: resharded into
+  ``oa.zero_specs``'s shards, as ours returns it);
 * ``MultiSteps``: ``jax.grad`` of one micro-batch per jitted call fed to
   ``optax.MultiSteps`` (benchmark k's, parameters and state donated): it
   reduces in every call, and XLA may overlap each call's reduction with

@@ -95,8 +95,10 @@ def problem(name, cfg_run, devices):
       zero = {"param_specs": oa.zero_specs(params, "data"),
               "gradient_sync": "once"}
   whole = (params, batch)
-  steps = {SCAN: (peers.token_weighted_scan(loss_fn, k, data_axes, n_data),
-                  whole, ())}
+  # ZeRO-1's hand-written peer reshards its gradient into the same shards.
+  scan = peers.token_weighted_scan(loss_fn, k, data_axes, n_data,
+                                   out_specs=zero.get("param_specs"))
+  steps = {SCAN: (scan, whole, ())}
   for cand in (OURS, TODAY, PEELED):
     asked = {"overlap_reduction": step_of[cand]} if OPT_IN else {}
     steps[cand] = (oa.value_and_grad(loss_fn, num_microbatches=k,

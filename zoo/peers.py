@@ -31,8 +31,11 @@ def _microbatches(batch, k, data_axes, devices):
   return jax.tree.map(cut, batch)
 
 
-def token_weighted_scan(loss_fn, k, data_axes, devices, pattern="plain scan"):
-  """A token-weighted ``lax.scan`` of ``jax.grad``, its carry per pattern."""
+def token_weighted_scan(loss_fn, k, data_axes, devices, pattern="plain scan",
+                        out_specs=None):
+  """A token-weighted ``lax.scan`` of ``jax.grad``, its carry per pattern;
+  the gradient resharded to ``out_specs`` (ZeRO-1: ``oa.zero_specs``) after
+  the loop, if given."""
   def weighted(params, microbatch):
     return loss_fn(params, microbatch) * tm.num_tokens(microbatch)
 
@@ -54,7 +57,10 @@ def token_weighted_scan(loss_fn, k, data_axes, devices, pattern="plain scan"):
     (value, grads), _ = lax.scan(
         body, zeros, _microbatches(batch, k, data_axes, devices))
     tokens = jnp.maximum(tm.num_tokens(batch), 1.0)
-    return value / tokens, jax.tree.map(lambda g: g / tokens, grads)
+    grads = jax.tree.map(lambda g: g / tokens, grads)
+    if out_specs is not None:
+      grads = jax.tree.map(jax.sharding.reshard, grads, out_specs)
+    return value / tokens, grads
 
   return step
 
