@@ -303,15 +303,16 @@ def _unusable_reference(k: int, start: dict, reference: dict,
 
 def _reshaped(start: dict, reference: dict,
               skipped: list[str]) -> tuple[str, Any, Any] | None:
-  """The first array leaf the reference split returned with another shape
-  or dtype than the state's: ``(path, given type, returned type)``."""
+  """The first array leaf the reference split returned in another shape
+  than the state's: ``(path, given type, returned type)``. (Not another
+  dtype: a jitted step returns a float64 NumPy leaf as float32.)"""
   arrays = (jax.Array, np.ndarray)
   for path, ref in reference.items():
     given = start[path]
     if (state_leaves.under(path, skipped) or not isinstance(ref, arrays)
         or not isinstance(given, arrays)):
       continue
-    if (ref.shape, ref.dtype) != (given.shape, given.dtype):
+    if ref.shape != given.shape:
       return path, jax.typeof(given), jax.typeof(ref)
   return None
 
