@@ -229,13 +229,13 @@ def normalize(loss_fn, has_aux, has_state):
     if not has_state:
       return loss, (None, _arrays("aux", rest))
     if not has_aux:
-      return loss, (_arrays("new_model_state", rest), None)
+      return loss, (_carried(model_state, rest), None)
     if not isinstance(rest, tuple) or len(rest) != 2:
       raise ValueError(
           "With has_state=True and has_aux=True, loss_fn must return"
           f" (loss, (new_model_state, aux)), got (loss, {type(rest).__name__})."
       )
-    return loss, (_arrays("new_model_state", rest[0]), _arrays("aux", rest[1]))
+    return loss, (_carried(model_state, rest[0]), _arrays("aux", rest[1]))
 
   return normalized
 
@@ -250,6 +250,29 @@ def _arrays(name: str, tree: Any) -> Any:
           " returns is carried through the micro-batch loop, so its leaves"
           " must be arrays or numbers. Return other values outside fn.")
   return tree
+
+
+def _carried(model_state: Any, new: Any) -> Any:
+  """``new``, or an error naming where it is not typed as ``model_state``:
+  the loop carries it from one micro-batch to the next."""
+  new = _arrays("new_model_state", new)
+  why = " (it is carried from one micro-batch to the next)"
+  if jax.tree.structure(new) != jax.tree.structure(model_state):
+    raise TypeError(
+        "loss_fn's new_model_state must have the structure of the"
+        f" model_state it was given{why}: got {jax.tree.structure(new)},"
+        f" given {jax.tree.structure(model_state)}.")
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(new),
+                          jax.tree.leaves(model_state)):
+    got, given = (jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
+                  for v in (x, y))
+    if got != given:
+      raise TypeError(
+          f"loss_fn's new_model_state{jax.tree_util.keystr(path)} is"
+          f" {got.dtype}{list(got.shape)} where the model_state given holds"
+          f" {given.dtype}{list(given.shape)}: it must keep each leaf's"
+          f" shape and dtype{why}.")
+  return new
 
 
 def _signature(loss_fn) -> inspect.Signature | None:

@@ -133,6 +133,21 @@ def test_an_aux_leaf_that_is_not_an_array_is_named(aux_reduction):
     fn(jnp.ones(2), _batch())
 
 
+@pytest.mark.parametrize("new_state, match", [
+    (lambda s: {"c": jnp.zeros(3)}, r"new_model_state\['c'\] is float32\[3\]"
+     r" where the model_state given holds float32\[\]"),
+    (lambda s: {"c": s["c"].astype(jnp.int32)},
+     r"new_model_state\['c'\] is int32\[\]"),
+    (lambda s: {"d": s["c"]}, r"structure of the model_state"),
+], ids=["shape", "dtype", "structure"])
+def test_a_model_state_that_changes_type_is_named(new_state, match):
+  """Not jax's 'scan body function carry' error: the new model state is
+  named, with the leaf and what it was given."""
+  fn = _fn(lambda w, s, mb: (_mse(w, mb), new_state(s)), has_state=True)
+  with pytest.raises(TypeError, match=match):
+    fn(jnp.ones(2), {"c": jnp.zeros(())}, _batch())
+
+
 def test_coupled_value_and_grad_names_an_integer_loss():
   def encode(p, mb):
     return {"a": mb["x"] @ p}
