@@ -338,6 +338,10 @@ def _report(splits: tuple[int, ...], results: dict, errors: dict,
           or hints.below_rounding([row for row in rows if not (
               state_leaves.under(row.path, counted))])
           or _outcome_hint({}, None, moved, reference_k))
+  named = [path for path, why in ignored if why == "named in ignore"]
+  if hint and not moved and named and not errors and not mismatch:
+    hint += (" Or ignore= skips the leaves it changes (it skips"
+             f" {', '.join(named[:5])}).")
   if not hint and rows:
     hint = hints.unapplied(
         next(iter(compared.values())),

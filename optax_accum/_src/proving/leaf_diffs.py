@@ -146,10 +146,14 @@ def _fetch(tree: Any) -> Any:
 
 
 def _as_numbers(x: Any) -> Any:
+  """A key as its data, a complex leaf as its real and imaginary parts."""
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(
       x.dtype, jax.dtypes.prng_key):
     return jax.random.key_data(x)
-  return x if isinstance(x, jax.Array) else jnp.asarray(x)
+  x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+  if jnp.iscomplexobj(x):
+    return jnp.stack([x.real, x.imag], axis=-1)
+  return x
 
 
 def _row(path: str, k: int, ref: jax.Array, s: dict, rtol: float) -> LeafDiff:

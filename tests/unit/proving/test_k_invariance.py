@@ -427,3 +427,25 @@ def test_a_bfloat16_update_within_rounding_is_not_called_exact(batch):
                         if x.dtype == jnp.bfloat16 else x, state)
   report = oa.check_k_invariance(make_step, as_f32, batch)
   assert not report.ok and "1/4" in report.hint, report.hint
+
+
+def test_ignoring_every_leaf_the_step_changes_is_named(batch):
+  """With every parameter and optimizer leaf in ignore=, nothing moves:
+  the hint names ignore= beside the usual causes of no update."""
+  report = oa.check_k_invariance(
+      _one_call_step, _one_call_state(), batch,
+      ignore=["[0]", "[1]"])
+  assert not report.ok
+  assert "ignore= skips the leaves it changes (it skips [0], [1])" in (
+      report.hint), report.hint
+
+
+def test_a_complex_leaf_is_compared_in_both_parts(batch):
+  """An update of a complex leaf's imaginary part, k times the
+  reference's: seen (the real part alone would show nothing)."""
+  def make_step(k):
+    return lambda state, batch: {"z": state["z"] + 0.1j * k}
+
+  report = oa.check_k_invariance(make_step, {"z": jnp.ones(3, jnp.complex64)},
+                                 batch)
+  assert not report.ok and "4 times" in report.hint, report.hint
