@@ -141,8 +141,10 @@ def _compare(k: int, start: dict, reference: dict, result: Any,
 
 
 def _outcome_hint(errors: dict[int, str], mismatch: str | None,
-                  reference_moved: bool, reference_k: int) -> str:
-  """The hint when the runs could not be compared at all ("" otherwise)."""
+                  reference_moved: bool, reference_k: int, unseen: str | None,
+                  ignored: tuple) -> str:
+  """The hint when the runs could not be compared at all, or showed nothing
+  (``unseen``: updates within their dtype's rounding); "" otherwise."""
   if errors:
     k, text = next(iter(errors.items()))
     return (f"the step raised with k={k} ({text}); check_k_invariance calls"
@@ -150,12 +152,17 @@ def _outcome_hint(errors: dict[int, str], mismatch: str | None,
             " one optimizer update from the whole batch.")
   if mismatch:
     return mismatch
+  hint = unseen or ""
   if not reference_moved:
-    return (f"the reference step (k={reference_k}) changed no floating-point"
-            " leaf, so nothing was shown: it made no update (num_tokens that"
-            " count nothing, a cycle longer than the micro-batches fed, or a"
-            " step that returns the state it was given).")
-  return ""
+    hint = hint or (
+        f"the reference step (k={reference_k}) changed no floating-point"
+        " leaf, so nothing was shown: it made no update (num_tokens that"
+        " count nothing, a cycle longer than the micro-batches fed, or a"
+        " step that returns the state it was given).")
+    if named := [path for path, why in ignored if why == "named in ignore"]:
+      hint += (" Or ignore= skips the leaves it changes (it skips"
+               f" {', '.join(named[:5])}).")
+  return hint
 
 
 def check_k_invariance(
@@ -336,14 +343,9 @@ def _report(splits: tuple[int, ...], results: dict, errors: dict,
   moved = any(row.update > 0 and row.allowed > 0 for row in rows)
   # oa.accumulate's float count of tokens moves however small the update.
   counted = state_leaves.field_paths(results.get(reference_k), ("tokens_seen",))
-  hint = (_outcome_hint(errors, mismatch, True, reference_k)
-          or hints.below_rounding([row for row in rows if not (
-              state_leaves.under(row.path, counted))])
-          or _outcome_hint({}, None, moved, reference_k))
-  named = [path for path, why in ignored if why == "named in ignore"]
-  if hint and not moved and named and not errors and not mismatch:
-    hint += (" Or ignore= skips the leaves it changes (it skips"
-             f" {', '.join(named[:5])}).")
+  unseen = hints.below_rounding(
+      [row for row in rows if not state_leaves.under(row.path, counted)])
+  hint = _outcome_hint(errors, mismatch, moved, reference_k, unseen, ignored)
   if not hint and rows:
     hint = hints.unapplied(
         next(iter(compared.values())),
